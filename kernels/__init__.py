@@ -1,0 +1,6 @@
+"""Triton kernels, importable as ``lightning_slide.kernels`` (never as a top-level ``kernels`` package).
+
+NOTE: keep this file free of side effects and without a ``__version__``: run from the repository root,
+transformers imports a folder named ``kernels`` while building models, and would take one that carries a
+version for Hugging Face's package of that name.
+"""

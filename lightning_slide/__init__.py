@@ -1,0 +1,23 @@
+"""lightning-slide: fine-tune language models far larger than GPU memory on one GPU with PyTorch Lightning.
+
+``import lightning_slide`` registers the ``"slideformer"`` strategy, so ``Trainer(strategy="slideformer")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .engine import NonFiniteGradientError, PinnedMemoryError
+from .loss import causal_lm_loss, chunked_linear_cross_entropy
+from .precision import SlideFormerPrecision
+from .strategy import SlideFormerStrategy
+
+SlideFormerStrategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+__all__ = [
+    "NonFiniteGradientError",
+    "PinnedMemoryError",
+    "SlideFormerPrecision",
+    "SlideFormerStrategy",
+    "causal_lm_loss",
+    "chunked_linear_cross_entropy",
+]

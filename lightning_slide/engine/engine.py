@@ -1,0 +1,480 @@
+"""The sliding-window engine: places a model's parameters, streams them through the device, and steps the
+optimizer on the CPU while the device keeps computing. It knows nothing of Lightning; the strategy drives it.
+
+Update schedules (both give exactly the update plain training gives):
+
+- **"backward"** — used when nothing needs the global gradient norm. Each parameter's update runs on the CPU
+  worker as soon as its last gradient of the step has arrived, while the device continues the backward pass
+  through earlier blocks. The next forward of a block waits only for that block's update.
+- **"forward"** — used with gradient clipping. The global norm needs every gradient, so nothing is updated
+  before the backward pass ends. Then the updates are queued in forward order (embedding, block 0, 1, ...),
+  each scaled by the clipping coefficient, and the next step's forward starts at once: block i's forward waits
+  only for block i's update, so the CPU step overlaps the next forward pass.
+
+Pending updates are completed (``wait``) before validation, checkpointing and the end of training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from .functions import EmbeddingRowsFunction, run_unit
+from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
+from .optim import CpuOptimizer
+from .transfer import Transfer
+from .units import DeviceBuffer, Unit, max_sizes
+from .worker import CpuWorker
+
+log = logging.getLogger(__name__)
+
+Schedule = Literal["backward", "forward"]
+# KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+@dataclass
+class EngineStats:
+    """Where the training thread's time went, summed since the last ``reset`` (seconds, bytes)."""
+
+    wait_update_s: float = 0.0  # waiting for a CPU update before a block could be sent
+    wait_landing_s: float = 0.0  # waiting for a free host buffer for gradients (CPU behind)
+    upload_bytes: int = 0
+    download_bytes: int = 0
+    uploads: int = 0
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+class SlideEngine:
+    """Streams a model's blocks through a window of device slots and runs the optimizer on the CPU.
+
+    Args:
+        model: the module whose parameters the engine manages (fp32 masters, on the CPU).
+        blocks: the stack of transformer blocks, in order.
+        device: the compute device (CUDA, or the CPU itself).
+        compute_dtype: dtype of weight matrices on the device (``torch.bfloat16`` or ``torch.float32``).
+        embedding: the input embedding, streamed by rows (``None``: it is a leftover like any other).
+        head: the output head, kept in a buffer of its own (``None``: a leftover).
+        optimizer: the user's optimizer (``None`` for evaluation only).
+        schedule: ``"backward"`` or ``"forward"`` (see the module docstring).
+        retain_grads: keep whole gradients on the host for the window (gradient accumulation; implied by
+            ``"forward"``).
+        num_slots: ring slots for blocks on the device (>= 2).
+        on_nonfinite: ``"raise"`` or, with clipping by norm, ``"skip"`` the step.
+        cpu_threads: intra-op threads of the CPU worker (``None``: torch's default).
+        chunk_numel: elements per transfer chunk.
+        landing_buffers: host buffers of ``chunk_numel`` fp32 elements for gradients in flight.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: list[tuple[str, nn.Module]],
+        device: torch.device,
+        *,
+        compute_dtype: torch.dtype,
+        embedding: tuple[str, nn.Embedding] | None = None,
+        head: tuple[str, nn.Linear] | None = None,
+        optimizer: Optimizer | None = None,
+        schedule: Schedule = "backward",
+        retain_grads: bool = False,
+        num_slots: int = 3,
+        on_nonfinite: Literal["raise", "skip"] = "raise",
+        cpu_threads: int | None = None,
+        chunk_numel: int = 1 << 23,
+        landing_buffers: int = 64,
+    ) -> None:
+        if num_slots < 2:
+            raise ValueError(f"num_slots must be at least 2 (one block computes while the next arrives); got {num_slots}.")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
+        self.model = model
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.schedule: Schedule = schedule
+        self.on_nonfinite = on_nonfinite
+        self.num_slots = num_slots
+        self.stats = EngineStats()
+        self.blocks = [Unit(name, module, compute_dtype) for name, module in blocks]
+        self.embedding = Unit(embedding[0], embedding[1], torch.float32) if embedding else None
+        self.head = Unit(head[0], head[1], compute_dtype) if head else None
+        taken = {m for u in self._named_units() for m in u.module.modules()}
+        self.leftovers = [
+            Unit(name, m, compute_dtype, recurse=False)
+            for name, m in model.named_modules()
+            if m not in taken and any(p is not None for p in m._parameters.values())
+        ]
+        self._check_leftovers()
+        self._assign_owners()
+        self.optimizer = CpuOptimizer(optimizer) if optimizer is not None else None
+        self._check_optimizer_params()
+        self._chunk_numel = max(chunk_numel, *(_row_numel(p) for u in self.units for p in u.params))
+        self._landing_buffers = landing_buffers
+        self._cpu_threads = cpu_threads
+        self._retain = retain_grads or schedule == "forward"
+        self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
+        self._plan: StepPlan | None = None
+        self._order: dict[Unit, None] = {}  # units in the order of the first training forward
+        self.last_grad_norm: float | None = None
+        self._ready = False
+
+    # ---- set-up ------------------------------------------------------------------------------------------------
+
+    @property
+    def units(self) -> list[Unit]:
+        return self._named_units() + self.leftovers
+
+    def _forward_units(self) -> list[Unit]:
+        """All units in the order a causal LM's forward meets them."""
+        first = [self.embedding] if self.embedding is not None else []
+        last = [self.head] if self.head is not None else []
+        return first + self.blocks + self.leftovers + last
+
+    def _named_units(self) -> list[Unit]:
+        return [u for u in (self.embedding, *self.blocks, self.head) if u is not None]
+
+    def _check_leftovers(self) -> None:
+        unit_modules = {u.module for u in self._named_units()}
+        for unit in self.leftovers:
+            nested = [name for name, m in unit.module.named_modules() if m in unit_modules]
+            if nested or unit.module is self.model:
+                where = f"'{unit.name}'" if unit.name else "the LightningModule itself"
+                raise ValueError(
+                    f"{where} registers parameters of its own and also holds streamed blocks ({nested[:3]}...)."
+                    " SlideFormer streams such parameters only from a leaf of the model: move them into a"
+                    " submodule (e.g. an nn.Linear) that the forward calls."
+                )
+
+    def _assign_owners(self) -> None:
+        # NOTE: a parameter used by several units (tied input/output embeddings) is owned by the first of them
+        # in forward order, whose backward comes last; the others' gradients wait for it, so it moves and
+        # updates once with the sum.
+        owner_of: dict[nn.Parameter, Unit] = {}
+        for unit in self._forward_units():
+            for i, p in enumerate(unit.params):
+                unit.owner[i] = owner_of.setdefault(p, unit)
+
+    def _check_optimizer_params(self) -> None:
+        if self.optimizer is None:
+            return
+        managed = {p for u in self.units for p in u.params}
+        stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p not in managed]
+        if stray:
+            raise ValueError(
+                f"The optimizer holds {len(stray)} tensor(s) that are not parameters of the model being trained"
+                f" (first shape {tuple(stray[0].shape)}). Give configure_optimizers only self.parameters() (or"
+                " subsets of them)."
+            )
+
+    def device_bytes(self) -> int:
+        """Device memory the engine allocates for weights and staging (activations not included)."""
+
+        def nbytes(sizes: dict[torch.dtype, int]) -> int:
+            return sum(n * torch.empty((), dtype=d).element_size() for d, n in sizes.items())
+
+        own = sum(nbytes(u.numel) for u in [self.head, *self.leftovers] if u is not None)
+        return self.num_slots * nbytes(max_sizes(self.blocks)) + own + 2 * 4 * self._chunk_numel
+
+    def setup(self) -> None:
+        """Pin the masters, allocate the window, and route the modules' forwards through the engine."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            need = self.device_bytes()
+            if need > free:
+                raise torch.OutOfMemoryError(
+                    f"SlideFormer needs {need / 2**30:.2f} GiB on {self.device} for its window of {self.num_slots}"
+                    f" block slots, the head and staging, but only {free / 2**30:.2f} GiB is free. Lower"
+                    " SlideFormerStrategy(num_slots=...) (minimum 2) or free GPU memory."
+                )
+        self.transfer = Transfer(self.device, chunk_numel=self._chunk_numel, landing_buffers=self._landing_buffers)
+        self.worker = CpuWorker(num_threads=self._cpu_threads)
+        if self.optimizer is not None:
+            self.router = GradRouter(self.transfer, self.worker, self.optimizer, retain=self._retain)
+        move_except_parameters(self.model, self.device)
+        self._pin_masters()
+        ring_sizes = max_sizes(self.blocks)
+        self._ring = [DeviceBuffer(ring_sizes, self.device) for _ in range(self.num_slots)]
+        self._own = {u: DeviceBuffer(u.numel, self.device) for u in [self.head, *self.leftovers] if u is not None}
+        self._block_index = {u: i for i, u in enumerate(self.blocks)}
+        self._rows_host: Tensor | None = None
+        self._rows_event = None
+        self._patch()
+        self._ready = True
+
+    def _pin_masters(self) -> None:
+        if not self.transfer.is_cuda:
+            return
+        for unit in self.units:
+            params = [p for p, o in zip(unit.params, unit.owner) if o is unit]
+            if not params:
+                continue
+            flat = self.transfer.host_empty(sum(p.numel() for p in params))
+            offset = 0
+            for p in params:
+                view = flat[offset : offset + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                offset += p.numel()
+
+    def _patch(self) -> None:
+        for unit in self.blocks:
+            unit.module.gradient_checkpointing = False  # the engine owns recompute
+            unit.module.forward = partial(self._block_forward, unit)
+        if self.embedding is not None:
+            self.embedding.module.forward = partial(self._embedding_forward, self.embedding)
+        for unit in [self.head, *self.leftovers]:
+            if unit is not None:
+                unit.module.forward = partial(self._unit_forward, unit)
+
+    def teardown(self) -> None:
+        """Finish pending work, restore the modules' own forwards and move non-parameter state back."""
+        if not self._ready:
+            return
+        self._ready = False
+        try:
+            self.wait()
+        finally:
+            for unit in self.units:
+                unit.module.__dict__.pop("forward", None)
+            self.worker.shutdown()
+            move_except_parameters(self.model, torch.device("cpu"))
+            self._ring, self._own = [], {}
+
+    # ---- weights on the device -------------------------------------------------------------------------------
+
+    def _buffer(self, unit: Unit) -> DeviceBuffer:
+        index = self._block_index.get(unit)
+        return self._ring[index % self.num_slots] if index is not None else self._own[unit]
+
+    def _version(self, unit: Unit) -> int:
+        return sum(o.version for o in unit.owners())
+
+    def _wait_updates(self, unit: Unit) -> None:
+        for owner in unit.owners():
+            if owner.update_done is not None and not owner.update_done.done():
+                start = time.perf_counter()
+                owner.update_done.result()
+                self.stats.wait_update_s += time.perf_counter() - start
+            elif owner.update_done is not None:
+                owner.update_done.result()  # re-raises a failed update
+
+    def _upload(self, unit: Unit, buf: DeviceBuffer) -> None:
+        self._wait_updates(unit)
+        buf.ready = self.transfer.upload(list(zip((p.data for p in unit.params), buf.views(unit))), after=buf.free)
+        buf.tag = (unit, self._version(unit))
+        unit.last_upload = buf.ready
+        self.stats.uploads += 1
+        self.stats.upload_bytes += sum(p.numel() * p.element_size() for p in unit.params)
+
+    def prefetch(self, unit: Unit) -> None:
+        """Start sending ``unit``'s weights unless its buffer already holds them."""
+        buf = self._buffer(unit)
+        if buf.tag != (unit, self._version(unit)):
+            self._upload(unit, buf)
+
+    def acquire(self, unit: Unit) -> list[Tensor]:
+        """The device copies of ``unit``'s parameters, ready for the current stream."""
+        if torch.is_grad_enabled():
+            self._order.setdefault(unit)
+        self.prefetch(unit)
+        buf = self._buffer(unit)
+        self.transfer.wait(buf.ready)
+        return buf.views(unit)
+
+    def release(self, unit: Unit, *, forward: bool) -> None:
+        """The current stream is done with ``unit``'s buffer; look ahead for the next blocks."""
+        self._buffer(unit).free = self.transfer.record()
+        index = self._block_index.get(unit)
+        if index is None:
+            return
+        step = 1 if forward else -1
+        for k in range(1, self.num_slots):
+            j = index + step * k
+            if 0 <= j < len(self.blocks):
+                self.prefetch(self.blocks[j])
+        if forward and index == len(self.blocks) - 1:
+            for other in self._own:
+                self.prefetch(other)
+
+    def wants_grad(self, unit: Unit, index: int) -> bool:
+        """Whether ``unit.params[index]`` needs a gradient (trainable and in the optimizer)."""
+        return self.optimizer is not None and self.router.wants(unit, index)
+
+    # ---- forwards of managed modules ---------------------------------------------------------------------------
+
+    def _unit_forward(self, unit: Unit, *args, **kwargs):
+        return run_unit(self, unit, args, kwargs)
+
+    def _block_forward(self, unit: Unit, *args, **kwargs):
+        for key in _CACHE_KWARGS:
+            if key in kwargs:
+                kwargs[key] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        return run_unit(self, unit, args, kwargs)
+
+    def _embedding_forward(self, unit: Unit, ids: Tensor) -> Tensor:
+        if torch.is_grad_enabled() and self.wants_grad(unit, 0):
+            return EmbeddingRowsFunction.apply(self, unit, ids, self.dummy)
+        index, inverse, rows = self.gather_rows(unit, ids)
+        return rows[inverse]
+
+    def gather_rows(self, unit: Unit, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Send the embedding rows of the tokens in ``ids``.
+
+        Returns:
+            the sorted distinct ids (device), each token's position among them (shaped like ``ids``), and the
+            fp32 rows (device, one per distinct id).
+        """
+        if torch.is_grad_enabled():
+            self._order.setdefault(unit)
+        for block in self.blocks[: self.num_slots - 1]:
+            self.prefetch(block)
+        weight = unit.params[0]
+        index, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        index_host = index.cpu()
+        if index_host.numel() and (index_host[0] < 0 or index_host[-1] >= weight.shape[0]):
+            raise IndexError(
+                f"Token id {int(index_host[-1] if index_host[-1] >= weight.shape[0] else index_host[0])} is out of"
+                f" range for the embedding '{unit.name}' with {weight.shape[0]} rows."
+            )
+        self._wait_updates(unit)
+        numel = index_host.numel() * weight.shape[1]
+        if self._rows_host is None or self._rows_host.numel() < numel:
+            self._rows_host = self.transfer.host_empty(numel)
+        elif self._rows_event is not None:
+            self._rows_event.synchronize()  # the previous rows have left the buffer
+        rows_host = self._rows_host[:numel].view(-1, weight.shape[1])
+        torch.index_select(weight.data, 0, index_host, out=rows_host)
+        rows = torch.empty(rows_host.shape, dtype=torch.float32, device=self.device)
+        self._rows_event = self.transfer.upload([(rows_host, rows)], after=self.transfer.record())
+        self.transfer.wait(self._rows_event)
+        return index, inverse.view(ids.shape), rows
+
+    def head_loss(self, hidden: Tensor, target: Tensor, loss_fn, **kwargs) -> Tensor:
+        """``loss_fn(hidden, weight, target, bias=..., **kwargs)`` with the head's weights on the device.
+
+        The head's weights stay in their own buffer from this forward to its backward, so the loss needs no
+        recompute; their gradients leave for the CPU as soon as the backward has produced them.
+        """
+        unit = self.head
+        train = torch.is_grad_enabled()
+        weights = [w.detach().requires_grad_(train and self.wants_grad(unit, i)) for i, w in enumerate(self.acquire(unit))]
+        for i, w in enumerate(weights):
+            if w.requires_grad:
+                w.register_post_accumulate_grad_hook(partial(self._head_grad, i))
+        by_name = {attr: weights[i] for sub, attr, i in unit.entries if sub is unit.module}
+        loss = loss_fn(hidden, by_name["weight"], target, bias=by_name.get("bias"), **kwargs)
+        self.release(unit, forward=True)
+        return loss
+
+    def _head_grad(self, index: int, leaf: Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        self._buffer(self.head).free = self.transfer.record()  # the backward has read the weights
+        self.after_backward(self.head, {index: grad})
+
+    def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None:
+        if self.optimizer is None or not grads:
+            return
+        plan = self._plan if self.schedule == "backward" else None
+        start = time.perf_counter()
+        self.router.push(unit, grads, plan)
+        self.stats.wait_landing_s += time.perf_counter() - start
+
+    # ---- the optimizer step ------------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        """``optimizer_step`` was called: the hyperparameters in force now are the ones applied."""
+        self.worker.raise_if_failed()
+        self._plan = StepPlan(step=step, hypers=self.optimizer.snapshot())
+
+    def grads_ready(self) -> None:
+        """The step's backward is done. With the "forward" schedule, wait until every gradient is on the host
+        and show them as ``param.grad`` (hooks and clipping read them there)."""
+        self.router.flush(self._plan if self.schedule == "backward" else None)
+        if self.schedule == "forward":
+            self.worker.drain()
+            for p in self.router.pending:
+                p.grad = self.router.host[p]
+
+    def _check_clip(self, kind: str) -> None:
+        if self.schedule != "forward":
+            raise RuntimeError(
+                f"Gradient clipping by {kind} was requested, but the 'backward' update schedule has already applied"
+                " the updates. Use SlideFormerStrategy(update_schedule='forward') (chosen automatically when"
+                " Trainer(gradient_clip_val=...) is set)."
+            )
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip by the global 2-norm, exactly as ``torch.nn.utils.clip_grad_norm_``; returns the norm."""
+        self._check_clip("norm")
+        total = self.router.global_norm(self._update_order_params())
+        self.last_grad_norm = total
+        if not math.isfinite(total):
+            if self.on_nonfinite == "skip":
+                log.warning("Skipping optimizer step %d: the gradient norm is %s.", self._plan.step, total)
+                self._plan.skip = True
+                return total
+            raise NonFiniteGradientError(_nonfinite_message(self._plan.step, "the global gradient norm"))
+        self._plan.norm_checked = True
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            self._plan.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+        return total
+
+    def clip_grad_value(self, clip_value: float) -> None:
+        self._check_clip("value")
+        self._plan.clip_value = float(clip_value)
+
+    def _update_order_params(self) -> list[nn.Parameter]:
+        return [p for u in self._update_order() for p, o in zip(u.params, u.owner) if o is u]
+
+    def _update_order(self) -> list[Unit]:
+        return list(self._order) + [u for u in self._forward_units() if u not in self._order]
+
+    def finish_step(self) -> None:
+        """End of ``optimizer_step``: with the "forward" schedule, queue the updates in forward order."""
+        plan, self._plan = self._plan, None
+        # NOTE: torch's LR schedulers warn unless the optimizer's step() ran; the engine applied it instead.
+        self.optimizer.optimizer._opt_called = True
+        if self.schedule == "forward":
+            if plan.skip:
+                self.router.discard()
+            else:
+                for unit in self._update_order():
+                    self.router.schedule_update(unit, plan, check_finite=not plan.norm_checked)
+        self.router.end_window()
+
+    def wait(self) -> None:
+        """Complete every pending update (before validation, checkpoints, and the end of training)."""
+        if self._ready:
+            self.worker.drain()
+
+
+def move_except_parameters(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for everything but parameters: buffers, metric states, the module's device."""
+    saved = []
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                saved.append((m, name, p))
+                m._parameters[name] = None
+    try:
+        module.to(device)
+    finally:
+        for m, name, p in saved:
+            m._parameters[name] = p
+
+
+def _row_numel(p: Tensor) -> int:
+    return p.numel() // p.shape[0] if p.dim() else 1

@@ -1,0 +1,152 @@
+"""The autograd nodes of managed modules.
+
+A managed module is one autograd node. Its forward runs the module's own code with the device copies of its
+weights and keeps no graph, saving only its inputs. Its backward fetches the weights again, replays the forward
+with the RNG and autocast state of the first run (so dropout draws the same mask), and takes the gradients of
+the inputs and of the weight copies; the weight gradients leave for the CPU at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .grads import Rows
+from .units import Unit, swapped
+
+if TYPE_CHECKING:
+    from .engine import SlideEngine
+
+
+def run_unit(engine: SlideEngine, unit: Unit, args: tuple, kwargs: dict) -> Any:
+    """Call ``unit``'s module on ``args``/``kwargs`` with its weights on the device."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
+    needs_graph = torch.is_grad_enabled() and (
+        any(unit.trainable) or any(flat[i].requires_grad for i in positions)
+    )
+    if not needs_graph:
+        weights = engine.acquire(unit)
+        with swapped(unit, weights):
+            out = unit.forward(*args, **kwargs)
+        engine.release(unit, forward=True)
+        return out
+    call = _Call(engine, unit, flat, spec, positions)
+    outs = _UnitFunction.apply(call, engine.dummy, *[flat[i] for i in positions])
+    flat_out = list(call.out_leaves)
+    for pos, t in zip(call.out_positions, outs):
+        flat_out[pos] = t
+    return tree_unflatten(flat_out, call.out_spec)
+
+
+class _Call:
+    """One call of a managed module: what its autograd node needs to replay it."""
+
+    def __init__(self, engine: SlideEngine, unit: Unit, flat: list, spec: Any, positions: list[int]) -> None:
+        self.engine, self.unit, self.spec, self.positions = engine, unit, spec, positions
+        tensor_at = set(positions)
+        self.leaves = [None if i in tensor_at else x for i, x in enumerate(flat)]
+        device = engine.device
+        self.device_type = device.type
+        self.cpu_rng = torch.get_rng_state()
+        self.device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast = torch.is_autocast_enabled(device.type)
+        self.autocast_dtype = torch.get_autocast_dtype(device.type)
+        self.out_spec: Any = None
+        self.out_leaves: list = []
+        self.out_positions: list[int] = []
+
+    def run(self, tensors: tuple[Tensor, ...] | list[Tensor], weights: list[Tensor]) -> Any:
+        flat = list(self.leaves)
+        for pos, t in zip(self.positions, tensors):
+            flat[pos] = t
+        args, kwargs = tree_unflatten(flat, self.spec)
+        with swapped(self.unit, weights):
+            return self.unit.forward(*args, **kwargs)
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """The RNG and autocast state of the forward, restored for the recompute (and the RNG put back after)."""
+        devices = [self.engine.device] if self.device_rng is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu_rng)
+            if self.device_rng is not None:
+                torch.cuda.set_rng_state(self.device_rng, self.engine.device)
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype, enabled=self.autocast):
+                yield
+
+
+class _UnitFunction(Function):
+    @staticmethod
+    def forward(ctx, call: _Call, dummy: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+        engine, unit = call.engine, call.unit
+        out = call.run(tensors, engine.acquire(unit))
+        engine.release(unit, forward=True)
+        flat_out, call.out_spec = tree_flatten(out)
+        call.out_positions = [i for i, x in enumerate(flat_out) if isinstance(x, Tensor)]
+        call.out_leaves = [None if isinstance(x, Tensor) else x for x in flat_out]
+        outs = tuple(flat_out[i] for i in call.out_positions)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        ctx.call = call
+        ctx.save_for_backward(*tensors)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
+        call: _Call = ctx.call
+        engine, unit = call.engine, call.unit
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        weights = [w.detach().requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(engine.acquire(unit))]
+        with torch.enable_grad(), call.replay():
+            out = call.run(inputs, weights)
+        flat_out = tree_flatten(out)[0]
+        pairs = [
+            (flat_out[pos], g)
+            for pos, g in zip(call.out_positions, grad_outs)
+            if g is not None and flat_out[pos].requires_grad
+        ]
+        wanted = [x for x in inputs if x.requires_grad] + [w for w in weights if w.requires_grad]
+        grads: list[Tensor | None] = [None] * len(wanted)
+        if pairs and wanted:
+            grads = list(
+                torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+            )
+        engine.release(unit, forward=False)
+        grad_iter = iter(grads)
+        input_grads = [next(grad_iter) if x.requires_grad else None for x in inputs]
+        weight_grads = {i: g for i, w in enumerate(weights) if w.requires_grad and (g := next(grad_iter)) is not None}
+        engine.after_backward(unit, weight_grads)
+        return (None, None, *input_grads)
+
+
+class EmbeddingRowsFunction(Function):
+    """An embedding lookup that moves only the rows of the tokens in the batch.
+
+    Forward gathers the needed fp32 rows on the CPU and sends those; backward sums the output gradient into
+    those rows (a scatter-add) and sends them back. The optimizer still updates every row.
+    """
+
+    @staticmethod
+    def forward(ctx, engine: SlideEngine, unit: Unit, ids: Tensor, dummy: Tensor) -> Tensor:
+        index, inverse, rows = engine.gather_rows(unit, ids)
+        ctx.engine, ctx.unit = engine, unit
+        ctx.save_for_backward(index, inverse)
+        return rows[inverse]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
+        index, inverse = ctx.saved_tensors
+        width = grad.shape[-1]
+        values = torch.zeros(index.numel(), width, dtype=torch.float32, device=grad.device)
+        values.index_add_(0, inverse.reshape(-1), grad.reshape(-1, width).float())
+        padding_idx = ctx.unit.module.padding_idx
+        if padding_idx is not None:
+            values[index == padding_idx] = 0
+        ctx.engine.after_backward(ctx.unit, {0: Rows(index, values)})
+        return None, None, None, None

@@ -1,0 +1,305 @@
+"""Gradients: from a unit's backward on the device to the CPU optimizer, chunk by chunk.
+
+Two ways a gradient can go, chosen per run by the engine:
+
+- **streamed** (update schedule "backward", no accumulation): each chunk of a gradient lands in a small pinned
+  buffer from a pool and the CPU worker applies the optimizer to the matching rows of the parameter at once.
+  No full gradient ever exists in host memory.
+- **retained** (accumulation, or update schedule "forward" for exact global-norm clipping): gradients are kept
+  in host buffers for the whole accumulation window. The first contribution is copied straight into them,
+  later ones are added by the worker; the update runs once the window is complete.
+
+Contributions from a unit that does not own a parameter (the output head of a model with tied embeddings)
+wait on the device until the owner's backward adds its own, so every parameter is moved and updated once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .optim import CpuOptimizer, Hypers
+from .transfer import Transfer
+from .units import Unit
+from .worker import CpuWorker
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf; it was not applied."""
+
+
+@dataclass
+class Rows:
+    """A gradient that is non-zero only in some rows: ``values[i]`` belongs to row ``index[i]``."""
+
+    index: Tensor  # (U,) int64, on the device
+    values: Tensor  # (U, ...) fp32, on the device
+
+
+Contribution = Tensor | Rows
+
+
+@dataclass
+class StepPlan:
+    """What the next update applies, frozen when ``optimizer_step`` is called."""
+
+    step: int
+    hypers: list[Hypers]
+    grad_scale: Tensor | None = None  # clipping by norm: gradients are divided by this
+    clip_value: float | None = None  # clipping by value
+    norm_checked: bool = False  # the global norm was found finite
+    skip: bool = False  # non-finite norm and on_nonfinite="skip": apply nothing
+
+
+class GradRouter:
+    """Moves each unit's gradients to the host and hands them to the CPU optimizer.
+
+    Args:
+        transfer: the host/device copier.
+        worker: the CPU worker.
+        optimizer: the CPU optimizer driver.
+        retain: keep full gradients on the host for the accumulation window (see module docstring).
+    """
+
+    def __init__(self, transfer: Transfer, worker: CpuWorker, optimizer: CpuOptimizer, *, retain: bool) -> None:
+        self.transfer = transfer
+        self.worker = worker
+        self.optimizer = optimizer
+        self.retain = retain
+        self.host: dict[nn.Parameter, Tensor] = {}  # retained gradients (views into one buffer per owner unit)
+        self.fresh: dict[nn.Parameter, bool] = {}  # retained buffer holds nothing of this window yet
+        self.pending: set[nn.Parameter] = set()  # parameters with gradients in this window
+        self._stash: dict[nn.Parameter, list[Contribution]] = {}  # waiting for the owner's contribution
+        self._owner_of: dict[nn.Parameter, Unit] = {}
+        self._updated: set[nn.Parameter] = set()  # updated during this window's last backward
+        self._flags: dict[Unit, Tensor] = {}
+
+    def wants(self, unit: Unit, index: int) -> bool:
+        """Whether the gradient of ``unit.params[index]`` is needed at all."""
+        return unit.trainable[index] and self.optimizer.group_index(unit.params[index]) is not None
+
+    def push(self, unit: Unit, grads: dict[int, Contribution], plan: StepPlan | None) -> None:
+        """Send ``unit``'s gradients (by parameter index) on their way; called right after its backward.
+
+        Args:
+            plan: set when this backward completes the window and the update schedule is "backward": each
+                parameter is updated as soon as its gradient has arrived.
+        """
+        ready: list[tuple[Unit, nn.Parameter, list[Contribution]]] = []
+        for i, grad in grads.items():
+            param, owner = unit.params[i], unit.owner[i]
+            self._owner_of[param] = owner
+            self._stash.setdefault(param, []).append(grad)
+            if owner is unit:
+                ready.append((owner, param, self._stash.pop(param)))
+        if ready:
+            self._send(ready, plan)
+
+    def flush(self, plan: StepPlan | None) -> None:
+        """Send contributions still waiting for an owner whose backward did not run (e.g. an unused embedding)."""
+        ready = [(self._owner_of[p], p, c) for p, c in self._stash.items()]
+        self._stash.clear()
+        if ready:
+            self._send(ready, plan)
+
+    def end_window(self) -> None:
+        """The optimizer step is over: parameters may receive gradients for the next one."""
+        self._updated.clear()
+
+    def _send(self, ready: list[tuple[Unit, nn.Parameter, list[Contribution]]], plan: StepPlan | None) -> None:
+        tr = self.transfer
+        if plan is None and not self.retain:
+            raise RuntimeError(
+                "A backward pass ran outside the optimizer step, but gradients are not being kept across micro-batches."
+                " The engine was set up without gradient accumulation; this happens when backward is called by hand."
+            )
+        owners = list(dict.fromkeys(owner for owner, _, _ in ready))
+        if plan is not None and any(p in self._updated for _, p, _ in ready):
+            raise RuntimeError(
+                "A parameter received a second gradient after its update in the step's last backward (a block ran"
+                " twice, or shares weights with another). The 'backward' update schedule cannot apply that exactly;"
+                " use SlideFormerStrategy(update_schedule='forward')."
+            )
+        if self.retain:
+            for owner in owners:
+                if owner.update_done is not None:
+                    owner.update_done.result()  # the previous update no longer reads the retained buffers
+        streamed = plan is not None and not self.retain
+        event = tr.record()
+        with tr.on_download_stream(event):
+            if streamed:
+                for owner in owners:
+                    flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
+                    self.worker.submit(_check_finite, flag, flag_event, plan.step, owner.name)
+            for owner, param, contributions in ready:
+                self._send_param(owner, param, contributions, plan if streamed else None)
+                for c in contributions:
+                    for t in (c.index, c.values) if isinstance(c, Rows) else (c,):
+                        tr.keep_alive(t)
+        for _, param, _ in ready:
+            self.pending.add(param)
+        if plan is not None:
+            for owner in owners:
+                self.schedule_update(owner, plan, check_finite=True, streamed=streamed)
+
+    def _send_param(self, owner: Unit, param: nn.Parameter, contribs: list[Contribution], plan: StepPlan | None) -> None:
+        tr = self.transfer
+        rows = param.shape[0] if param.dim() else 1
+        row_numel = param.numel() // rows
+        step_rows = max(1, tr.chunk_numel // row_numel)
+        direct = self.retain and self._take_fresh(owner, param)
+        for r0 in range(0, rows, step_rows):
+            r1 = min(rows, r0 + step_rows)
+            cut = slice(r0, r1) if param.dim() else None
+            shape = (r1 - r0, *param.shape[1:]) if param.dim() else ()
+            stage = tr.down_stage[: (r1 - r0) * row_numel].view(shape)
+            _combine(stage, contribs, cut)
+            landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
+            target = _rows(self.host[param], cut) if direct else landing[: stage.numel()].view(shape)
+            target.copy_(stage, non_blocking=True)
+            event = tr.record(tr.download_stream)
+            if plan is not None:
+                self.worker.submit(self._apply_chunk, param, cut, landing, target, event, plan, r1 == rows)
+            else:
+                self.worker.submit(self._absorb_chunk, param, cut, landing, target, event)
+
+    def _take_fresh(self, owner: Unit, param: nn.Parameter) -> bool:
+        if param not in self.host:
+            self._allocate(owner)
+        fresh = self.fresh[param]
+        self.fresh[param] = False
+        return fresh
+
+    def _allocate(self, owner: Unit) -> None:
+        params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p not in self.host]
+        flat = self.transfer.host_empty(sum(p.numel() for p in params))
+        offset = 0
+        for p in params:
+            self.host[p] = flat[offset : offset + p.numel()].view(p.shape)
+            self.fresh[p] = True
+            offset += p.numel()
+
+    def _finite_flag(self, owner: Unit, contributions: list[Contribution]) -> tuple[Tensor, object]:
+        ok = torch.ones((), dtype=torch.bool, device=self.transfer.device)
+        for c in contributions:
+            t = c.values if isinstance(c, Rows) else c
+            if t.numel():
+                lo, hi = torch.aminmax(t)
+                ok &= torch.isfinite(lo) & torch.isfinite(hi)
+        if owner not in self._flags:
+            self._flags[owner] = self.transfer.host_empty(1, torch.bool)
+        flag = self._flags[owner]
+        flag.copy_(ok.view(1), non_blocking=True)
+        return flag, self.transfer.record(self.transfer.download_stream)
+
+    # ---- on the worker ---------------------------------------------------------------------------------------
+
+    def _absorb_chunk(self, param, cut, landing, grad, event) -> None:
+        if event is not None:
+            event.synchronize()
+        if landing is not None:
+            _rows(self.host[param], cut).add_(grad)
+            self.transfer.give_landing(landing)
+
+    def _apply_chunk(self, param, cut, landing, grad, event, plan: StepPlan, last: bool) -> None:
+        if event is not None:
+            event.synchronize()
+        try:
+            hypers = plan.hypers[self.optimizer.group_index(param)]
+            if cut is None or cut.start == 0:
+                self.optimizer.begin(param, hypers)
+            self.optimizer.update([param], [grad], hypers, rows=[cut])
+            if last:
+                self.optimizer.end(param)
+        finally:
+            self.transfer.give_landing(landing)
+
+    # ---- retained gradients ----------------------------------------------------------------------------------
+
+    def schedule_update(self, owner: Unit, plan: StepPlan, *, check_finite: bool, streamed: bool = False) -> None:
+        """Queue the update of ``owner``'s parameters that have gradients in this window (main thread).
+
+        Args:
+            check_finite: refuse NaN/Inf gradients (not needed when the global norm was found finite).
+            streamed: the chunks already carry the update; only the bookkeeping is left.
+        """
+        params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p in self.pending]
+        if not params:
+            return
+        for p in params:
+            self.pending.discard(p)
+            self._updated.add(p)
+            if self.retain:
+                self.fresh[p] = True
+        owner.version += 1
+        task = (lambda: None,) if streamed else (self._update, owner.name, params, plan, check_finite)
+        owner.update_done = self.worker.submit(*task)
+
+    def discard(self) -> None:
+        """Drop this window's gradients without applying them (a skipped step)."""
+        for p in self.pending:
+            self.fresh[p] = True
+        self.pending.clear()
+
+    def global_norm(self, params: list[nn.Parameter]) -> float:
+        """The 2-norm of the retained gradients of ``params``, summed in the given (fixed) order."""
+        grads = [self.host[p] for p in params if p in self.pending]
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm(grads, 2.0)
+        return float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+
+    def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
+        grads = [self.host[p] for p in params]
+        if check_finite:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+            if not torch.isfinite(norm):
+                raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
+        if plan.clip_value is not None:
+            torch._foreach_clamp_min_(grads, -plan.clip_value)
+            torch._foreach_clamp_max_(grads, plan.clip_value)
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault(self.optimizer.group_index(p), []).append(i)
+        for g, idx in groups.items():
+            ps = [params[i] for i in idx]
+            for p in ps:
+                self.optimizer.begin(p, plan.hypers[g])
+            self.optimizer.update(ps, [grads[i] for i in idx], plan.hypers[g], grad_scale=plan.grad_scale)
+            for p in ps:
+                self.optimizer.end(p)
+
+
+def _rows(t: Tensor, cut: slice | None) -> Tensor:
+    return t if cut is None else t[cut]
+
+
+def _combine(stage: Tensor, contributions: list[Contribution], cut: slice | None) -> None:
+    """Write the fp32 sum of the contributions' rows ``cut`` into ``stage`` (on the device)."""
+    for k, c in enumerate(contributions):
+        if isinstance(c, Rows):
+            if k == 0:
+                stage.zero_()
+            keep = (c.index >= cut.start) & (c.index < cut.stop)
+            stage.index_add_(0, c.index[keep] - cut.start, c.values[keep])
+        elif k == 0:
+            stage.copy_(_rows(c, cut))
+        else:
+            stage.add_(_rows(c, cut))
+
+
+def _check_finite(flag: Tensor, event, step: int, name: str) -> None:
+    if event is not None:
+        event.synchronize()
+    if not bool(flag[0]):
+        raise NonFiniteGradientError(_nonfinite_message(step, name))
+
+
+def _nonfinite_message(step: int, name: str) -> str:
+    return (
+        f"Non-finite gradient (NaN or Inf) at optimizer step {step} in '{name}'; it was not applied and training"
+        " stops here. Lower the learning rate, check the data of this step, or enable gradient clipping"
+        " (with clipping, SlideFormerStrategy(on_nonfinite='skip') skips such steps instead)."
+    )

@@ -1,0 +1,147 @@
+"""Step the user's torch optimizer on CPU tensors, a few parameters (or rows of one) at a time.
+
+The user's optimizer object keeps its ``param_groups`` and its ``state`` in torch's own format, so
+``optimizer.state_dict()``, Lightning checkpoints and LR schedulers work unchanged. Only the arithmetic moves:
+the engine calls torch's fused CPU kernels on the parameters whose gradients have arrived, with the
+hyperparameters that were in force when ``optimizer_step`` was called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.optim import SGD, Adam, AdamW, Optimizer
+
+SUPPORTED_OPTIMIZERS = (AdamW, Adam, SGD)
+
+
+@dataclass(frozen=True)
+class Hypers:
+    """The hyperparameters of one param group, frozen when ``optimizer_step`` is called."""
+
+    lr: float
+    weight_decay: float
+    maximize: bool
+    # Adam / AdamW
+    beta1: float = 0.0
+    beta2: float = 0.0
+    eps: float = 0.0
+    amsgrad: bool = False
+    decoupled: bool = False
+    # SGD
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+
+
+class CpuOptimizer:
+    """Applies ``torch.optim.AdamW``, ``Adam`` or ``SGD`` updates with torch's fused CPU kernels.
+
+    Args:
+        optimizer: the user's optimizer; its parameters are the fp32 masters in CPU memory.
+
+    Raises:
+        TypeError: for any other optimizer class (subclasses included: their ``step`` may differ).
+        ValueError: for options the fused kernels do not implement.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        if type(optimizer) not in SUPPORTED_OPTIMIZERS:
+            names = ", ".join(f"torch.optim.{cls.__name__}" for cls in SUPPORTED_OPTIMIZERS)
+            raise TypeError(
+                f"SlideFormer steps the optimizer on the CPU and supports {names}; got {type(optimizer).__qualname__}."
+                " Return one of these from configure_optimizers."
+            )
+        for group in optimizer.param_groups:
+            for flag in ("capturable", "differentiable"):
+                if group.get(flag):
+                    raise ValueError(f"SlideFormer does not support {type(optimizer).__name__}({flag}=True).")
+        self.optimizer = optimizer
+        self.is_sgd = type(optimizer) is SGD
+        self._group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._sgd_first: dict[Tensor, bool] = {}  # SGD: does this step create the momentum buffer?
+
+    def group_index(self, param: Tensor) -> int | None:
+        """The param group holding ``param``, or ``None`` when the optimizer does not update it."""
+        return self._group_of.get(param)
+
+    def snapshot(self) -> list[Hypers]:
+        """Freeze each group's hyperparameters; a scheduler may change them before the update runs."""
+        out = []
+        for g in self.optimizer.param_groups:
+            common = {"lr": float(g["lr"]), "weight_decay": float(g["weight_decay"]), "maximize": g["maximize"]}
+            if self.is_sgd:
+                out.append(Hypers(**common, momentum=g["momentum"], dampening=g["dampening"], nesterov=g["nesterov"]))
+            else:
+                beta1, beta2 = (float(b) for b in g["betas"])
+                decoupled = type(self.optimizer) is AdamW or bool(g.get("decoupled_weight_decay", False))
+                out.append(
+                    Hypers(**common, beta1=beta1, beta2=beta2, eps=g["eps"], amsgrad=g["amsgrad"], decoupled=decoupled)
+                )
+        return out
+
+    def begin(self, param: Tensor, hypers: Hypers) -> None:
+        """Start this step's update of ``param``: create its state if new and count the step (once per step)."""
+        state = self.optimizer.state[param]
+        if self.is_sgd:
+            first = hypers.momentum != 0 and state.get("momentum_buffer") is None
+            self._sgd_first[param] = first
+            if first:
+                state["momentum_buffer"] = torch.empty_like(param, memory_format=torch.preserve_format)
+            return
+        if not state:
+            # Same keys, dtypes and layout as torch.optim.Adam(fused=True) creates.
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if hypers.amsgrad:
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["step"] += 1
+
+    def update(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        hypers: Hypers,
+        rows: list[slice | None] | None = None,
+        grad_scale: Tensor | None = None,
+    ) -> None:
+        """Apply the update to ``params`` (all of one group), after :meth:`begin` was called for each.
+
+        Args:
+            params: the master parameters.
+            grads: fp32 gradients, one per parameter, shaped like ``param[rows[i]]``.
+            hypers: the group's frozen hyperparameters.
+            rows: for each parameter, the slice of leading rows to update (``None``: all of it).
+            grad_scale: a 1-element tensor; gradients are divided by it (the clipping coefficient enters here).
+        """
+        rows = rows if rows is not None else [None] * len(params)
+        cut = [lambda t, r=r: t if r is None else t[r] for r in rows]
+        states = [self.optimizer.state[p] for p in params]
+        ps = [c(p.data) for c, p in zip(cut, params)]
+        if self.is_sgd:
+            first = self._sgd_first[params[0]]
+            assert all(self._sgd_first[p] == first for p in params)
+            bufs = [c(s["momentum_buffer"]) for c, s in zip(cut, states)] if hypers.momentum != 0 else []
+            torch._fused_sgd_(
+                ps, grads, bufs, weight_decay=hypers.weight_decay, momentum=hypers.momentum, lr=hypers.lr,
+                dampening=hypers.dampening, nesterov=hypers.nesterov, maximize=hypers.maximize,
+                is_first_step=first, grad_scale=grad_scale,
+            )  # fmt: skip
+            return
+        fused = torch._fused_adamw_ if hypers.decoupled else torch._fused_adam_
+        fused(
+            ps, grads,
+            [c(s["exp_avg"]) for c, s in zip(cut, states)],
+            [c(s["exp_avg_sq"]) for c, s in zip(cut, states)],
+            [c(s["max_exp_avg_sq"]) for c, s in zip(cut, states)] if hypers.amsgrad else [],
+            [s["step"] for s in states],
+            lr=hypers.lr, beta1=hypers.beta1, beta2=hypers.beta2, weight_decay=hypers.weight_decay,
+            eps=hypers.eps, amsgrad=hypers.amsgrad, maximize=hypers.maximize, grad_scale=grad_scale,
+        )  # fmt: skip
+
+    def end(self, param: Tensor) -> None:
+        """Finish this step's update of ``param``."""
+        self._sgd_first.pop(param, None)

@@ -1,0 +1,132 @@
+"""Copies between host and device: side streams, events, staging and the pool of host landing buffers.
+
+On CUDA, uploads run on one side stream and gradient downloads on another, both ordered against the compute
+stream with events, from pinned host memory. On the CPU the same calls become plain synchronous copies with
+no events and no pinning (CPU builds of torch cannot pin), so the engine around them runs unchanged.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+
+class PinnedMemoryError(RuntimeError):
+    """Host memory could not be pinned."""
+
+
+class Transfer:
+    """Host <-> device copies for one device.
+
+    Args:
+        device: the compute device.
+        chunk_numel: elements per staging chunk; large tensors move chunk by chunk through fixed buffers.
+        landing_buffers: number of host landing buffers (each ``chunk_numel`` fp32) for gradients.
+    """
+
+    def __init__(self, device: torch.device, *, chunk_numel: int, landing_buffers: int) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.chunk_numel = chunk_numel
+        self.upload_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        self.download_stream = torch.cuda.Stream(device) if self.is_cuda else None
+        # NOTE: uploads convert fp32 masters to bf16 on the device (PCIe has room to spare; the CPU does not),
+        # through this staging chunk. Gradients are upcast to fp32 on the device before they leave.
+        self._up_stage = torch.empty(chunk_numel, dtype=torch.float32, device=device) if self.is_cuda else None
+        self.down_stage = torch.empty(chunk_numel, dtype=torch.float32, device=device)
+        self._landing: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        for _ in range(landing_buffers):
+            self._landing.put(self.host_empty(chunk_numel))
+
+    def host_empty(self, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A flat host tensor, pinned when the device is CUDA."""
+        if not self.is_cuda:
+            return torch.empty(numel, dtype=dtype)
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as err:
+            gib = numel * torch.empty((), dtype=dtype).element_size() / 2**30
+            raise PinnedMemoryError(
+                f"Could not pin {gib:.2f} GiB of host memory ({err}). Check `ulimit -l` (locked-memory limit) and"
+                " free RAM, or lower the memory the run needs (fewer window slots, a smaller landing pool)."
+            ) from err
+
+    def pin(self, tensor: Tensor) -> Tensor:
+        """A pinned copy of ``tensor`` (the tensor itself on the CPU device)."""
+        if not self.is_cuda:
+            return tensor
+        out = self.host_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        return out
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
+        """An event at the current point of ``stream`` (default: the current stream); ``None`` on the CPU."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream or torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        """Make the current stream wait for ``event``."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def upload(self, pairs: list[tuple[Tensor, Tensor]], after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Copy each host ``src`` into its device ``dst`` (converting dtype) once ``after`` has passed.
+
+        Returns:
+            an event marking the copies done (``None`` on the CPU, where they are done on return).
+        """
+        if not self.is_cuda:
+            for src, dst in pairs:
+                dst.copy_(src)
+            return None
+        with torch.cuda.stream(self.upload_stream):
+            if after is not None:
+                self.upload_stream.wait_event(after)
+            for src, dst in pairs:
+                if src.dtype == dst.dtype:
+                    dst.copy_(src, non_blocking=True)
+                    continue
+                src_flat, dst_flat = src.view(-1), dst.view(-1)
+                for start in range(0, src_flat.numel(), self.chunk_numel):
+                    n = min(self.chunk_numel, src_flat.numel() - start)
+                    self._up_stage[:n].copy_(src_flat[start : start + n], non_blocking=True)
+                    dst_flat[start : start + n].copy_(self._up_stage[:n])
+            return self.record(self.upload_stream)
+
+    @contextmanager
+    def on_download_stream(self, after: torch.cuda.Event | None) -> Iterator[None]:
+        """Run the enclosed device work on the download stream, after ``after``."""
+        if not self.is_cuda:
+            yield
+            return
+        with torch.cuda.stream(self.download_stream):
+            if after is not None:
+                self.download_stream.wait_event(after)
+            yield
+
+    def keep_alive(self, tensor: Tensor) -> None:
+        """Tell the caching allocator that ``tensor`` is still read by the download stream."""
+        if self.is_cuda:
+            tensor.record_stream(self.download_stream)
+
+    def take_landing(self, check: Callable[[], None]) -> Tensor:
+        """A free host landing buffer; blocks until the CPU worker returns one (back-pressure).
+
+        Args:
+            check: called while waiting; raises if the worker has failed (it then returns no buffers).
+        """
+        while True:
+            try:
+                return self._landing.get(timeout=0.5)
+            except queue.Empty:
+                check()
+
+    def give_landing(self, buffer: Tensor) -> None:
+        self._landing.put(buffer)

@@ -1,0 +1,116 @@
+"""Units: the groups of parameters that travel to the device together, and the device memory they land in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+
+class Unit:
+    """One module whose parameters are streamed as a group: a transformer block, the embedding, the head,
+    or a small leftover such as the final norm.
+
+    The module's parameters stay the fp32 masters on the CPU. While the module computes, each of its
+    parameter slots temporarily holds a device copy (``swapped``), so the module's own forward code runs
+    unchanged and its parameter names never change.
+
+    Args:
+        name: the module's qualified name, used in messages.
+        module: the module.
+        compute_dtype: dtype of the device copies of matrices (bf16 under bf16-mixed); vectors (norm weights,
+            biases) keep fp32, exactly as autocast would compute with them.
+        recurse: take the parameters of submodules too (blocks, head); ``False`` takes only the module's own
+            (a leftover module whose children may be units of their own).
+    """
+
+    def __init__(self, name: str, module: nn.Module, compute_dtype: torch.dtype, *, recurse: bool = True) -> None:
+        self.name = name
+        self.module = module
+        self.forward = module.forward  # the original (bound) forward, called with swapped parameters
+        self.entries: list[tuple[nn.Module, str, int]] = []  # (submodule, attribute, index into params)
+        self.params: list[nn.Parameter] = []
+        index: dict[nn.Parameter, int] = {}
+        subs = module.modules() if recurse else [module]
+        for sub in subs:
+            for attr, param in sub._parameters.items():
+                if param is None:
+                    continue
+                if param not in index:
+                    index[param] = len(self.params)
+                    self.params.append(param)
+                self.entries.append((sub, attr, index[param]))
+        self.dtypes = [compute_dtype if p.dim() >= 2 else torch.float32 for p in self.params]
+        self.trainable = [p.requires_grad for p in self.params]
+        self.owner: list[Unit] = [self] * len(self.params)  # who streams each gradient (tied weights: one owner)
+        self.update_done: Future | None = None  # the last scheduled update of the params this unit owns
+        self.version = 0  # bumped whenever an update of any of its params is scheduled
+        self.last_upload: object | None = None  # event of the last copy that read the masters
+
+    @property
+    def numel(self) -> dict[torch.dtype, int]:
+        sizes: dict[torch.dtype, int] = {}
+        for p, dtype in zip(self.params, self.dtypes):
+            sizes[dtype] = sizes.get(dtype, 0) + p.numel()
+        return sizes
+
+    def owners(self) -> list[Unit]:
+        return list(dict.fromkeys(self.owner))
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name})"
+
+
+@contextmanager
+def swapped(unit: Unit, tensors: list[Tensor]) -> Iterator[None]:
+    """Let ``unit.module`` compute with ``tensors`` in place of its parameters (restored on exit)."""
+    saved = [(sub, attr, sub._parameters[attr]) for sub, attr, _ in unit.entries]
+    for sub, attr, i in unit.entries:
+        sub._parameters[attr] = tensors[i]
+    try:
+        yield
+    finally:
+        for sub, attr, param in saved:
+            sub._parameters[attr] = param
+
+
+class DeviceBuffer:
+    """Pre-allocated device memory for one unit's weights at a time: a flat tensor per dtype, reused.
+
+    ``ready`` marks the weights in place; ``free`` marks the end of the last computation reading them
+    (both CUDA events, ``None`` on the CPU). ``tag`` says whose weights, at which version, it holds.
+    """
+
+    def __init__(self, sizes: dict[torch.dtype, int], device: torch.device) -> None:
+        self.flat = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+        self.tag: tuple[Unit, int] | None = None
+        self.ready: object | None = None
+        self.free: object | None = None
+        self._views: dict[Unit, list[Tensor]] = {}
+
+    def views(self, unit: Unit) -> list[Tensor]:
+        """One tensor per parameter of ``unit``, shaped like it, inside this buffer (cached)."""
+        if unit not in self._views:
+            offsets = dict.fromkeys(self.flat, 0)
+            out = []
+            for p, dtype in zip(unit.params, unit.dtypes):
+                out.append(self.flat[dtype][offsets[dtype] : offsets[dtype] + p.numel()].view(p.shape))
+                offsets[dtype] += p.numel()
+            self._views[unit] = out
+        return self._views[unit]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.flat.values())
+
+
+def max_sizes(units: list[Unit]) -> dict[torch.dtype, int]:
+    """Per dtype, the largest need among ``units`` (the size of a ring slot that can hold any of them)."""
+    sizes: dict[torch.dtype, int] = {}
+    for unit in units:
+        for dtype, n in unit.numel.items():
+            sizes[dtype] = max(sizes.get(dtype, 0), n)
+    return sizes

@@ -1,0 +1,153 @@
+"""Find what to stream in a model — the block stack, the input embedding, the output head — and install the
+logits-free causal-LM loss on Hugging Face models."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import wraps
+
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+# Families whose ForCausalLM.forward is exactly "base model -> lm_head -> ForCausalLMLoss", so computing the loss
+# from the hidden states gives the same value. Others keep their own forward (and build full logits).
+LOSS_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class Layout:
+    """The parts of a model the engine treats specially, with their qualified names."""
+
+    blocks: list[tuple[str, nn.Module]]
+    embedding: tuple[str, nn.Embedding] | None = None
+    head: tuple[str, nn.Linear] | None = None
+    causal_lm: nn.Module | None = None  # the Hugging Face *ForCausalLM whose loss we install
+
+
+def find_layout(root: nn.Module, blocks: str | None = None) -> Layout:
+    """Find the stack of transformer blocks (or take the one named), the embedding and the head.
+
+    Args:
+        root: the module to search (the LightningModule).
+        blocks: attribute path of the block ``nn.ModuleList`` relative to ``root`` (e.g. ``"model.model.layers"``);
+            ``None`` picks the ``nn.ModuleList`` of same-type modules that holds the most parameters.
+
+    Raises:
+        ValueError: no stack could be found, or the named one is not an ``nn.ModuleList`` of modules.
+    """
+    names = {m: n for n, m in root.named_modules()}
+    stack = _named_stack(root, blocks) if blocks is not None else _largest_stack(root)
+    prefix = names[stack]
+    layout = Layout(blocks=[(f"{prefix}.{i}", m) for i, m in enumerate(stack)])
+    if len(set(map(id, stack))) != len(stack):
+        raise ValueError(f"The block stack '{prefix}' holds the same module more than once; SlideFormer cannot stream it.")
+    hf = _outermost_pretrained(root, stack)
+    if hf is None:
+        return layout
+    emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    if type(emb) is nn.Embedding and emb.max_norm is None and not emb.scale_grad_by_freq and not emb.sparse:
+        layout.embedding = (names[emb], emb)
+    if type(head) is nn.Linear:
+        layout.head = (names[head], head)
+        if getattr(hf.config, "model_type", None) in LOSS_FAMILIES and hf.base_model is not hf:
+            layout.causal_lm = hf
+    return layout
+
+
+def _named_stack(root: nn.Module, path: str) -> nn.ModuleList:
+    try:
+        stack = root.get_submodule(path)
+    except AttributeError as err:
+        raise ValueError(f"blocks={path!r}: no such submodule in {type(root).__name__} ({err}).") from err
+    if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
+        raise ValueError(f"blocks={path!r} must name a non-empty nn.ModuleList of blocks; it is {type(stack).__name__}.")
+    return stack
+
+
+def _largest_stack(root: nn.Module) -> nn.ModuleList:
+    best, best_size = None, 0
+    for module in root.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = module, size
+    if best is None:
+        raise ValueError(
+            f"SlideFormer could not find the stack of transformer blocks in {type(root).__name__}: it looks for an"
+            " nn.ModuleList of modules of one type that hold parameters (like model.model.layers in Hugging Face"
+            " models). Name it with SlideFormerStrategy(blocks='attribute.path.to.layers')."
+        )
+    return best
+
+
+def _outermost_pretrained(root: nn.Module, stack: nn.ModuleList) -> nn.Module | None:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    for module in root.modules():
+        if isinstance(module, PreTrainedModel) and any(m is stack for m in module.modules()):
+            return module
+    return None
+
+
+def disable_hf_checkpointing(root: nn.Module) -> None:
+    """Turn off Hugging Face's own gradient checkpointing: the engine recomputes blocks itself."""
+    for module in root.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            module.gradient_checkpointing = False
+            log.info("SlideFormer disabled Hugging Face gradient checkpointing on %s.", type(module).__name__)
+
+
+def install_causal_lm_loss(model: nn.Module, loss: Callable[..., Tensor]) -> Callable[[], None]:
+    """Make ``model(..., labels=...)`` compute its loss with ``loss(hidden, labels, **kw)`` from the hidden states.
+
+    The base model runs as usual; the output head is applied inside ``loss`` (chunked or fused), so the N x vocab
+    logits are never built. With labels the returned output has ``logits=None``; without labels the original
+    forward runs and returns logits.
+
+    Returns:
+        a function that restores the original forward.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    original = model.forward
+    signature = inspect.signature(original)
+    extra_name = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    @wraps(original)
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        extra = arguments.pop(extra_name, {}) if extra_name else {}
+        labels = arguments.pop("labels", None)
+        if labels is None:
+            return original(*args, **kwargs)
+        arguments.pop("logits_to_keep", None)
+        shift_labels = extra.pop("shift_labels", None)
+        outputs = model.base_model(**arguments, **extra)
+        value = loss(
+            outputs.last_hidden_state,
+            labels,
+            num_items_in_batch=extra.get("num_items_in_batch"),
+            shift_labels=shift_labels,
+            softcap=softcap,
+        )
+        return CausalLMOutputWithPast(
+            loss=value, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+    model.forward = forward
+
+    def restore() -> None:
+        model.__dict__.pop("forward", None)
+
+    return restore

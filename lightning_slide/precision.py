@@ -1,0 +1,106 @@
+"""SlideFormerPrecision: bf16 (or fp32) compute over fp32 master weights that never leave the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from .engine import SlideEngine
+
+SUPPORTED_PRECISION = ("bf16-mixed", "32-true")
+
+
+class SlideFormerPrecision(Precision):
+    """The precision plugin of :class:`~lightning_slide.SlideFormerStrategy`.
+
+    ``"bf16-mixed"`` computes like Lightning's bf16-mixed (autocast over fp32 weights): weight matrices travel to
+    the GPU as bf16, which is what autocast would cast them to, while vectors (norm weights, biases), the
+    embedding rows and the residual stream stay fp32. ``"32-true"`` computes in fp32 throughout. Either way the
+    masters and the optimizer state are fp32 on the CPU, and ``optimizer_step`` hands the update to the engine
+    instead of calling ``optimizer.step()``.
+
+    Args:
+        precision: ``"bf16-mixed"`` or ``"32-true"``.
+        device: the device type for autocast (``"cuda"`` or ``"cpu"``).
+    """
+
+    def __init__(self, precision: Literal["bf16-mixed", "32-true"] = "bf16-mixed", device: str = "cuda") -> None:
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"SlideFormer supports precision='bf16-mixed' or '32-true'; got {precision!r}."
+                " Pass one of them to Trainer(precision=...)."
+            )
+        self.precision = precision
+        self.device = device
+        self.engine: SlideEngine | None = None  # set by the strategy
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
+
+    @classmethod
+    def convert(cls, plugin: Precision | None, device: str, explicit: bool) -> SlideFormerPrecision:
+        """Our plugin for what the Trainer's connector produced from its ``precision`` flag.
+
+        Args:
+            plugin: the connector's plugin (``Precision`` for "32-true", ``MixedPrecision`` for the mixed ones).
+            device: the accelerator's device type.
+            explicit: whether the user passed ``precision`` at all; without it, CUDA runs use bf16-mixed.
+        """
+        if isinstance(plugin, SlideFormerPrecision):
+            return plugin
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+            return cls("bf16-mixed", device)
+        if type(plugin) is Precision:
+            return cls("bf16-mixed" if device == "cuda" and not explicit else "32-true", device)
+        name = getattr(plugin, "precision", type(plugin).__name__)
+        raise ValueError(
+            f"SlideFormer supports precision='bf16-mixed' or '32-true'; got {name!r}."
+            " fp16 needs loss scaling that the CPU optimizer does not do, and 'bf16-true' would drop the fp32"
+            " master weights; use 'bf16-mixed'."
+        )
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision != "bf16-mixed":
+            yield
+            return
+        # NOTE: cache_enabled=False, as Lightning's MixedPrecision, so casts match plain bf16-mixed training.
+        with torch.autocast(self.device, dtype=torch.bfloat16, cache_enabled=False):
+            yield
+
+    @override
+    def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        closure_result = closure()
+        self.engine.grads_ready()  # before the hooks and clipping, which read the gradients
+        self._after_closure(model, optimizer)
+        return closure_result
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        # The update itself is the engine's (the strategy calls begin/finish around this).
+        return self._wrap_closure(model, optimizer, closure)
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.engine.clip_grad_value(clip_val)
+        else:
+            self.engine.clip_grad_norm(clip_val)

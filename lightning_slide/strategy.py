@@ -1,0 +1,315 @@
+"""SlideFormerStrategy: Lightning's hooks, adapted onto the sliding-window engine."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.pytorch import LightningModule
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from .engine import SlideEngine
+from .loss import causal_lm_loss
+from .models import disable_hf_checkpointing, find_layout, install_causal_lm_loss
+from .precision import SlideFormerPrecision
+
+log = logging.getLogger(__name__)
+
+
+class SlideFormerStrategy(SingleDeviceStrategy):
+    """Train a model far larger than GPU memory on one GPU.
+
+    The LightningModule's parameters stay fp32 masters in CPU memory; transformer blocks slide through a small
+    window of GPU slots; gradients leave the GPU block by block; the optimizer steps on the CPU while the GPU
+    keeps computing. Training gives the same parameters as plain Lightning training of the same module with the
+    same torch optimizer — including gradient accumulation, global-norm clipping and tied embeddings.
+
+    Args:
+        num_slots: block slots in the GPU window (>= 2). More slots copy further ahead, at the cost of memory.
+        blocks: attribute path (from the LightningModule) of the ``nn.ModuleList`` of blocks, e.g.
+            ``"model.model.layers"``; ``None`` finds it.
+        update_schedule: ``"backward"`` updates each block while the backward pass continues (not compatible
+            with clipping by norm); ``"forward"`` updates after backward, in forward order, overlapping the
+            next forward pass (needed for exact global-norm clipping); ``"auto"`` picks ``"forward"`` exactly
+            when gradient clipping is configured.
+        install_loss: on Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3), compute ``labels=`` losses from
+            the hidden states without building the full logits.
+        on_nonfinite: ``"raise"`` stops training at a NaN/Inf gradient; ``"skip"`` (clipping by norm only)
+            skips that optimizer step.
+        cpu_threads: threads of the CPU optimizer; ``None``: all cores but one on CUDA (the other feeds the GPU),
+            torch's default on the CPU.
+    """
+
+    strategy_name = "slideformer"
+
+    def __init__(
+        self,
+        *,
+        num_slots: int = 3,
+        blocks: str | None = None,
+        update_schedule: Literal["auto", "backward", "forward"] = "auto",
+        install_loss: bool = True,
+        on_nonfinite: Literal["raise", "skip"] = "raise",
+        cpu_threads: int | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if not isinstance(num_slots, int) or num_slots < 2:
+            raise ValueError(f"num_slots must be an int >= 2; got {num_slots!r}.")
+        if update_schedule not in ("auto", "backward", "forward"):
+            raise ValueError(f"update_schedule must be 'auto', 'backward' or 'forward'; got {update_schedule!r}.")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
+        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive int or None; got {cpu_threads!r}.")
+        self._parallel_devices: list[torch.device] = []
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.num_slots = num_slots
+        self.blocks = blocks
+        self.update_schedule = update_schedule
+        self.install_loss = install_loss
+        self.on_nonfinite = on_nonfinite
+        self.cpu_threads = cpu_threads
+        self.engine: SlideEngine | None = None
+        self._restore_loss = None
+
+    # ---- device and precision ----------------------------------------------------------------------------------
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        # NOTE: the Trainer's connector fills this for strategies that have it; a strategy built from a string
+        # would otherwise keep SingleDeviceStrategy's default root device, the CPU.
+        self._parallel_devices = [torch.device(d) for d in devices]
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._parallel_devices:
+            return self._parallel_devices[0]
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    @override
+    def precision_plugin(self) -> SlideFormerPrecision:
+        if self._precision_plugin is None:  # not stored: the connector reads `_precision_plugin` as a user choice
+            return SlideFormerPrecision("32-true", self.root_device.type)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # NOTE: the connector replaces a string-built strategy's plugin with a generic one (FSDPStrategy guards
+        # the same way); we turn what it made from the Trainer's `precision` flag into ours.
+        if plugin is None:
+            self._precision_plugin = None
+            return
+        device = "cuda" if isinstance(self.accelerator, CUDAAccelerator) else self.root_device.type
+        self._precision_plugin = SlideFormerPrecision.convert(plugin, device, explicit=_precision_flag_given())
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        # NOTE: False: Lightning runs only the closure on accumulating micro-batches and calls optimizer_step on
+        # the last one; the engine keeps the gradients of the window on the host and updates once.
+        return False
+
+    # ---- set-up ------------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None
+        if len(self._parallel_devices) > 1:
+            raise ValueError(
+                f"SlideFormer trains on one device; got devices={len(self._parallel_devices)}. Use Trainer(devices=1)."
+            )
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        optimizer = None
+        if fitting:
+            if not module.automatic_optimization:
+                raise ValueError(
+                    "SlideFormer supports automatic optimization only: the optimizer step runs on the CPU inside the"
+                    " engine. Remove `self.automatic_optimization = False` and return the optimizer from"
+                    " configure_optimizers."
+                )
+            self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"SlideFormer supports exactly one optimizer; configure_optimizers returned {len(self.optimizers)}."
+                )
+            optimizer = self.optimizers[0]
+        schedule = self._resolve_schedule(trainer, module)
+        layout = find_layout(module, self.blocks)
+        disable_hf_checkpointing(module)
+        cuda = self.root_device.type == "cuda"
+        self.engine = SlideEngine(
+            module,
+            layout.blocks,
+            self.root_device,
+            compute_dtype=self.precision_plugin.compute_dtype,
+            embedding=layout.embedding,
+            head=layout.head,
+            optimizer=optimizer,
+            schedule=schedule,
+            retain_grads=trainer.accumulate_grad_batches > 1,
+            num_slots=self.num_slots,
+            on_nonfinite=self.on_nonfinite,
+            cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
+        )
+        self.precision_plugin.engine = self.engine
+        self.engine.setup()
+        if self.install_loss and layout.causal_lm is not None:
+            engine = self.engine
+            self._restore_loss = install_causal_lm_loss(
+                layout.causal_lm, lambda hidden, labels, **kw: engine.head_loss(hidden, labels, causal_lm_loss, **kw)
+            )
+        self.model = module
+        if fitting:
+            self.setup_precision_plugin()
+
+    def _resolve_schedule(self, trainer: Any, module: LightningModule) -> str:
+        clipping = bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)
+        schedule = self.update_schedule
+        if schedule == "auto":
+            schedule = "forward" if clipping else "backward"
+        if schedule == "backward" and clipping:
+            raise ValueError(
+                "Gradient clipping needs every gradient before any update, so it runs with"
+                " update_schedule='forward'; got update_schedule='backward'."
+            )
+        if self.on_nonfinite == "skip" and schedule != "forward":
+            raise ValueError(
+                "on_nonfinite='skip' needs the global gradient norm before any update: set Trainer(gradient_clip_val=...)"
+                " or use on_nonfinite='raise'."
+            )
+        return schedule
+
+    @override
+    def model_to_device(self) -> None:
+        """Nothing to move: parameters stay on the CPU, the engine places everything else."""
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # New parameters are fp32 masters on the CPU, not tensors on the root device.
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
+            yield
+
+    @override
+    def teardown(self) -> None:
+        if self._restore_loss is not None:
+            self._restore_loss()
+            self._restore_loss = None
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            try:
+                engine.teardown()
+            except Exception as err:  # already reported where it happened
+                log.debug("SlideFormer engine teardown: %s", err)
+        super().teardown()
+
+    # ---- training ----------------------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with _explain_oom(self):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with _explain_oom(self):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        self.engine.begin_step(self.lightning_module.trainer.global_step)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.finish_step()
+        return result
+
+    @override
+    def on_validation_start(self) -> None:
+        self._wait()
+
+    @override
+    def on_train_end(self) -> None:
+        self._wait()
+
+    def _wait(self) -> None:
+        if self.engine is not None:
+            self.engine.wait()
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._wait()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+        self._wait()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # Like the base class, minus its move of the state to the root device: the state lives on the CPU.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="SlideFormer: blocks slide through the GPU, the optimizer steps on the CPU",
+            )
+
+
+@contextmanager
+def _explain_oom(strategy: SlideFormerStrategy) -> Generator[None, None, None]:
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise torch.OutOfMemoryError(
+            f"{err}\nSlideFormer ran out of GPU memory. Its window of {strategy.num_slots} block slots, the head and"
+            " staging take {:.2f} GiB; the rest is activations. Lower the tokens per step (batch size or sequence"
+            " length, and use accumulate_grad_batches instead), or SlideFormerStrategy(num_slots=2).".format(
+                strategy.engine.device_bytes() / 2**30 if strategy.engine else float("nan")
+            )
+        ) from err
+
+
+def _precision_flag_given() -> bool:
+    """Whether the Trainer under construction was given ``precision=...``.
+
+    NOTE: Lightning's connector turns a missing flag into "32-true" and keeps no trace of the difference; the
+    strategy's default on CUDA is bf16-mixed, so we read the argument from the connector's frame.
+    """
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "__init__" and type(frame.f_locals.get("self")).__name__ == "_AcceleratorConnector":
+            return frame.f_locals.get("precision") is not None
+        frame = frame.f_back
+    return True

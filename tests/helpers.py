@@ -1,0 +1,151 @@
+"""Helpers for the tests: tiny real Hugging Face models, LightningModules, and a training runner."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_slide  # noqa: F401  (registers the strategy)
+
+CUDA = torch.cuda.is_available()
+VOCAB = 101
+SEQ = 12
+
+
+def tiny_config(family: str = "llama", *, tied: bool = False, layers: int = 4, **overrides):
+    """A small config of a real Hugging Face family (more blocks than window slots)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
+    kwargs = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = 8
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+class CausalLM(L.LightningModule):
+    """The module a user writes: a Hugging Face causal LM, ``labels=ids``, AdamW with two param groups."""
+
+    def __init__(self, config, *, optimizer: str = "adamw", lr: float = 1e-3, scheduler: bool = True):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_config(config)
+        self.optimizer_name, self.lr, self.use_scheduler = optimizer, lr, scheduler
+        self.grad_norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.log("val_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(groups, lr=self.lr)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(groups, lr=self.lr, betas=(0.8, 0.99), amsgrad=True)
+        else:
+            opt = torch.optim.SGD(groups, lr=self.lr, momentum=0.9, nesterov=True)
+        if not self.use_scheduler:
+            return opt
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
+
+
+class StackModel(nn.Module):
+    """A plain (non-Hugging Face) model: an embedding, an nn.ModuleList of blocks with dropout, a head."""
+
+    def __init__(self, width: int = 16, depth: int = 5, dropout: float = 0.1):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(dropout),
+                          nn.Linear(2 * width, width))
+            for _ in range(depth)
+        )  # fmt: skip
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+class StackLM(L.LightningModule):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.net = StackModel(**kwargs)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self.net(ids)
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.training_step(batch, batch_idx)
+        self.log("val_loss", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.05)
+
+
+def token_data(n: int = 16, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def fit(module: L.LightningModule, strategy="auto", *, precision="32-true", steps: int = 6, batch_size: int = 4,
+        accelerator: str = "cpu", data: torch.Tensor | None = None, seed: int = 7, **trainer_kwargs):
+    """Train a copy of ``module`` and return (its fp32 state dict, the trained copy)."""
+    module = copy.deepcopy(module)
+    L.seed_everything(seed, verbose=False)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator=accelerator, devices=1, precision=precision, max_steps=steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, **trainer_kwargs,
+    )  # fmt: skip
+    data = token_data() if data is None else data
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=batch_size))
+    state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
+    return state, module
+
+
+def max_rel_error(a: dict, b: dict) -> tuple[float, str]:
+    """The largest per-tensor relative L2 error between two state dicts, and where.
+
+    Tensors with a norm under 0.1 are measured against 0.1 instead: Qwen2's key bias, for one, has an exact
+    gradient of zero (softmax ignores a per-row constant), so Adam turns float noise into its update in every
+    implementation; a 1e-5 bound on it is then a 1e-6 absolute bound.
+    """
+    worst, where = 0.0, ""
+    for k in a:
+        err = ((a[k] - b[k]).norm() / b[k].norm().clamp_min(0.1)).item()
+        if err > worst:
+            worst, where = err, k
+    return worst, where
+
+
+def global_error(a: dict, b: dict) -> float:
+    return sum(((a[k] - b[k]) ** 2).sum().item() for k in a) ** 0.5
