@@ -43,7 +43,9 @@ def chunked_linear_cross_entropy(
         the loss: a scalar, or (N,) for ``reduction="none"``.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden must be (N, H) and weight (V, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}.")
+        raise ValueError(
+            f"hidden must be (N, H) and weight (V, H); got {tuple(hidden.shape)} and {tuple(weight.shape)}."
+        )
     if target.shape != hidden.shape[:1]:
         raise ValueError(f"target must be ({hidden.shape[0]},); got {tuple(target.shape)}.")
     if reduction not in ("mean", "sum", "none"):

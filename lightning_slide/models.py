@@ -44,7 +44,9 @@ def find_layout(root: nn.Module, blocks: str | None = None) -> Layout:
     prefix = names[stack]
     layout = Layout(blocks=[(f"{prefix}.{i}", m) for i, m in enumerate(stack)])
     if len(set(map(id, stack))) != len(stack):
-        raise ValueError(f"The block stack '{prefix}' holds the same module more than once; SlideFormer cannot stream it.")
+        raise ValueError(
+            f"The block stack '{prefix}' holds the same module more than once; SlideFormer cannot stream it."
+        )
     hf = _outermost_pretrained(root, stack)
     if hf is None:
         return layout
@@ -64,7 +66,9 @@ def _named_stack(root: nn.Module, path: str) -> nn.ModuleList:
     except AttributeError as err:
         raise ValueError(f"blocks={path!r}: no such submodule in {type(root).__name__} ({err}).") from err
     if not isinstance(stack, nn.ModuleList) or len(stack) == 0:
-        raise ValueError(f"blocks={path!r} must name a non-empty nn.ModuleList of blocks; it is {type(stack).__name__}.")
+        raise ValueError(
+            f"blocks={path!r} must name a non-empty nn.ModuleList of blocks; it is {type(stack).__name__}."
+        )
     return stack
 
 

@@ -87,7 +87,9 @@ class SlideFormerPrecision(Precision):
         return closure_result
 
     @override
-    def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         # The update itself is the engine's (the strategy calls begin/finish around this).
         return self._wrap_closure(model, optimizer, closure)
 

@@ -151,11 +151,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                     " engine. Remove `self.automatic_optimization = False` and return the optimizer from"
                     " configure_optimizers."
                 )
+            # NOTE: Lightning itself refuses several optimizers under automatic optimization.
             self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"SlideFormer supports exactly one optimizer; configure_optimizers returned {len(self.optimizers)}."
-                )
             optimizer = self.optimizers[0]
         schedule = self._resolve_schedule(trainer, module)
         layout = find_layout(module, self.blocks)
@@ -198,8 +195,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             )
         if self.on_nonfinite == "skip" and schedule != "forward":
             raise ValueError(
-                "on_nonfinite='skip' needs the global gradient norm before any update: set Trainer(gradient_clip_val=...)"
-                " or use on_nonfinite='raise'."
+                "on_nonfinite='skip' needs the global gradient norm before any update: set"
+                " Trainer(gradient_clip_val=...) or use on_nonfinite='raise'."
             )
         return schedule
 
@@ -235,7 +232,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             return super().training_step(*args, **kwargs)
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         with _explain_oom(self):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

@@ -116,18 +116,32 @@ def token_data(n: int = 16, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def fit(module: L.LightningModule, strategy="auto", *, precision="32-true", steps: int = 6, batch_size: int = 4,
-        accelerator: str = "cpu", data: torch.Tensor | None = None, seed: int = 7, **trainer_kwargs):
+def fit(
+    module: L.LightningModule,
+    strategy="auto",
+    *,
+    precision="32-true",
+    steps: int = 6,
+    batch_size: int = 4,
+    accelerator: str = "cpu",
+    data: torch.Tensor | None = None,
+    seed: int = 7,
+    ckpt_path: str | None = None,
+    **trainer_kwargs,
+):
     """Train a copy of ``module`` and return (its fp32 state dict, the trained copy)."""
     module = copy.deepcopy(module)
     L.seed_everything(seed, verbose=False)
-    trainer = L.Trainer(
-        strategy=strategy, accelerator=accelerator, devices=1, precision=precision, max_steps=steps,
+    options = dict(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, **trainer_kwargs,
+        num_sanity_val_steps=0,
     )  # fmt: skip
+    options.update(trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator=accelerator, devices=1, precision=precision, max_steps=steps, **options
+    )
     data = token_data() if data is None else data
-    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=batch_size))
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=batch_size), ckpt_path=ckpt_path)
     state = {k: v.detach().float().cpu().clone() for k, v in module.state_dict().items()}
     return state, module
 

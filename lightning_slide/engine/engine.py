@@ -95,7 +95,9 @@ class SlideEngine:
         landing_buffers: int = 64,
     ) -> None:
         if num_slots < 2:
-            raise ValueError(f"num_slots must be at least 2 (one block computes while the next arrives); got {num_slots}.")
+            raise ValueError(
+                f"num_slots must be at least 2 (one block computes while the next arrives); got {num_slots}."
+            )
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
         self.model = model
@@ -216,7 +218,7 @@ class SlideEngine:
             return
         for unit in self.units:
             params = [p for p, o in zip(unit.params, unit.owner) if o is unit]
-            if not params:
+            if not params or all(p.is_pinned() for p in params):  # e.g. a second fit() of the same module
                 continue
             flat = self.transfer.host_empty(sum(p.numel() for p in params))
             offset = 0
@@ -369,7 +371,9 @@ class SlideEngine:
         """
         unit = self.head
         train = torch.is_grad_enabled()
-        weights = [w.detach().requires_grad_(train and self.wants_grad(unit, i)) for i, w in enumerate(self.acquire(unit))]
+        weights = [
+            w.detach().requires_grad_(train and self.wants_grad(unit, i)) for i, w in enumerate(self.acquire(unit))
+        ]
         for i, w in enumerate(weights):
             if w.requires_grad:
                 w.register_post_accumulate_grad_hook(partial(self._head_grad, i))

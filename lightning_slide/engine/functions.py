@@ -28,9 +28,7 @@ def run_unit(engine: SlideEngine, unit: Unit, args: tuple, kwargs: dict) -> Any:
     """Call ``unit``'s module on ``args``/``kwargs`` with its weights on the device."""
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
-    needs_graph = torch.is_grad_enabled() and (
-        any(unit.trainable) or any(flat[i].requires_grad for i in positions)
-    )
+    needs_graph = torch.is_grad_enabled() and (any(unit.trainable) or any(flat[i].requires_grad for i in positions))
     if not needs_graph:
         weights = engine.acquire(unit)
         with swapped(unit, weights):
@@ -114,9 +112,7 @@ class _UnitFunction(Function):
         wanted = [x for x in inputs if x.requires_grad] + [w for w in weights if w.requires_grad]
         grads: list[Tensor | None] = [None] * len(wanted)
         if pairs and wanted:
-            grads = list(
-                torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-            )
+            grads = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
         engine.release(unit, forward=False)
         grad_iter = iter(grads)
         input_grads = [next(grad_iter) if x.requires_grad else None for x in inputs]

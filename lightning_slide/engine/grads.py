@@ -74,6 +74,7 @@ class GradRouter:
         self._stash: dict[nn.Parameter, list[Contribution]] = {}  # waiting for the owner's contribution
         self._owner_of: dict[nn.Parameter, Unit] = {}
         self._updated: set[nn.Parameter] = set()  # updated during this window's last backward
+        self.download_bytes = 0
         self._flags: dict[Unit, Tensor] = {}
 
     def wants(self, unit: Unit, index: int) -> bool:
@@ -144,7 +145,9 @@ class GradRouter:
             for owner in owners:
                 self.schedule_update(owner, plan, check_finite=True, streamed=streamed)
 
-    def _send_param(self, owner: Unit, param: nn.Parameter, contribs: list[Contribution], plan: StepPlan | None) -> None:
+    def _send_param(
+        self, owner: Unit, param: nn.Parameter, contribs: list[Contribution], plan: StepPlan | None
+    ) -> None:
         tr = self.transfer
         rows = param.shape[0] if param.dim() else 1
         row_numel = param.numel() // rows
@@ -159,6 +162,7 @@ class GradRouter:
             landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
             target = _rows(self.host[param], cut) if direct else landing[: stage.numel()].view(shape)
             target.copy_(stage, non_blocking=True)
+            self.download_bytes += 4 * stage.numel()
             event = tr.record(tr.download_stream)
             if plan is not None:
                 self.worker.submit(self._apply_chunk, param, cut, landing, target, event, plan, r1 == rows)

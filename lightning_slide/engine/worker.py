@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,6 +27,7 @@ class CpuWorker:
 
     def __init__(self, *, num_threads: int | None = None) -> None:
         self._error: BaseException | None = None
+        self.busy_s = 0.0  # seconds spent running tasks (for the benchmark's timeline)
         self._lock = threading.Lock()
         self._last: Future | None = None
         self._pool = ThreadPoolExecutor(
@@ -59,11 +61,14 @@ class CpuWorker:
     def _run(self, fn: Callable[..., Any], args: tuple) -> Any:
         if self._error is not None:
             raise self._error
+        start = time.perf_counter()
         try:
             return fn(*args)
         except BaseException as err:
             self._error = err
             raise
+        finally:
+            self.busy_s += time.perf_counter() - start
 
 
 def _set_threads(num_threads: int | None) -> None:

@@ -1,0 +1,298 @@
+"""Core benchmark (GPU machine): one training step of a Llama-shape model, four ways, in one run.
+
+(a) SlideFormer through ``Trainer(strategy="slideformer")`` with the module a user writes
+    (``self.model(input_ids=ids, labels=ids).loss``), GPU capped at --gpu-cap-gib, schedule "backward"
+    (no clipping) and "forward" (``gradient_clip_val=1.0``);
+(b) everything on the GPU: fp32 masters, bf16 autocast, fused AdamW, Hugging Face recompute (uncapped);
+(c) FSDP2 ``fully_shard`` per block with ``CPUOffloadPolicy(pin_memory=True)`` and a bf16 MixedPrecisionPolicy on
+    a world of one (uncapped);
+(d) the floor: torch's fused CPU AdamW over all parameters, timed alone.
+
+Reports tokens/s (median step), peak GPU memory (allocated and reserved), peak host RSS of the process during
+that system's run (VmHWM, reset in between), host bytes per parameter, and for (a) a per-step timeline (CPU
+worker busy, the training thread's waits, bytes moved). Appends CSV rows to --out.
+
+    python benchmarks/bench_core.py --out benchmarks/results/core.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import os
+import statistics
+import time
+
+import torch
+
+GIB = 2**30
+
+
+def llama_config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def param_count(layers: int) -> int:
+    c = llama_config(layers)
+    kv = c.num_key_value_heads * c.hidden_size // c.num_attention_heads
+    block = 2 * c.hidden_size * (c.hidden_size + kv) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    return layers * block + 2 * c.vocab_size * c.hidden_size + c.hidden_size
+
+
+def make_model(layers: int):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(llama_config(layers))
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM (Linux >= 4.0)
+        f.write("5")
+
+
+def peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_measure() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    reset_peak_rss()
+
+
+def gpu_peaks() -> tuple[float, float]:
+    return torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
+
+
+def batches(n: int, batch: int, seq: int, vocab: int = 128256):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+
+
+# ---- (a) SlideFormer ---------------------------------------------------------------------------------------------
+
+
+def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, warmup: int, cap_gib: float):
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import lightning_slide
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+    times, timeline = [], []
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            torch.cuda.synchronize()
+            engine = trainer.strategy.engine
+            times.append(time.perf_counter())
+            timeline.append(
+                (engine.worker.busy_s, engine.stats.wait_update_s, engine.stats.wait_landing_s,
+                 engine.stats.upload_bytes, engine.router.download_bytes)
+            )  # fmt: skip
+
+    start_measure()
+    trainer = L.Trainer(
+        strategy=lightning_slide.SlideFormerStrategy(),
+        precision="bf16-mixed",
+        max_steps=warmup + steps,
+        gradient_clip_val=1.0 if schedule == "forward" else None,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Clock()],
+    )  # fmt: skip
+    data = DataLoader(batches(warmup + steps, batch, seq), batch_size=None)
+    trainer.fit(module, data)
+    torch.cuda.synchronize()
+    step_times = [b - a for a, b in zip(times[warmup - 1 :], times[warmup:])]
+    deltas = [[b - a for a, b in zip(t0, t1)] for t0, t1 in zip(timeline[warmup - 1 :], timeline[warmup:])]
+    mid = sorted(range(len(step_times)), key=step_times.__getitem__)[len(step_times) // 2]
+    alloc, reserved = gpu_peaks()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    busy, wait_update, wait_landing, up, down = deltas[mid]
+    return {
+        "step_s": step_times[mid], "gpu_alloc_gib": alloc, "gpu_reserved_gib": reserved, "host_peak": peak_rss(),
+        "timeline": f"cpu_worker_busy={busy:.3f}s wait_update={wait_update:.3f}s wait_landing={wait_landing:.3f}s"
+                    f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB",
+    }  # fmt: skip
+
+
+class BenchLM:
+    """Built lazily so that Lightning is imported only when (a) runs."""
+
+    @staticmethod
+    def create(layers: int):
+        import lightning as L
+
+        class _LM(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model = make_model(layers)
+
+            def training_step(self, batch, batch_idx):
+                return self.model(input_ids=batch, labels=batch).loss
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01)
+
+        return _LM()
+
+
+# ---- (b) all on the GPU, (c) FSDP2 CPU offload -------------------------------------------------------------------
+
+
+def run_plain(model, batch: int, seq: int, steps: int, warmup: int, fused: bool = True):
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
+    data = [b.cuda() for b in batches(warmup + steps, batch, seq)]
+    times = []
+    for i, ids in enumerate(data):
+        if i == warmup:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    alloc, reserved = gpu_peaks()
+    return {"step_s": statistics.median(times[warmup:]), "gpu_alloc_gib": alloc, "gpu_reserved_gib": reserved,
+            "host_peak": peak_rss(), "timeline": ""}  # fmt: skip
+
+
+def run_all_gpu(layers, batch, seq, steps, warmup):
+    start_measure()
+    model = make_model(layers).cuda()
+    out = run_plain(model, batch, seq, steps, warmup)
+    del model
+    return out
+
+
+def run_fsdp2(layers, batch, seq, steps, warmup):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    start_measure()
+    model = make_model(layers)
+    model.gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    out = run_plain(model, batch, seq, steps, warmup, fused=False)
+    del model
+    return out
+
+
+# ---- (d) the CPU AdamW floor ---------------------------------------------------------------------------------------
+
+
+def run_floor(layers: int, threads: int, repeats: int = 3):
+    start_measure()
+    model = make_model(layers)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    torch.set_num_threads(before)
+    del model, opt, params
+    return {"step_s": statistics.median(times[1:]), "gpu_alloc_gib": 0.0, "gpu_reserved_gib": 0.0,
+            "host_peak": peak_rss(), "timeline": f"threads={threads}"}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--tokens", default="8192,32768", help="tokens per step (comma-separated)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--systems", default="d,a,b,c")
+    parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
+    parser.add_argument("--out", default="benchmarks/results/core.csv")
+    args = parser.parse_args()
+
+    import lightning
+    import transformers
+    import triton
+
+    n_params = param_count(args.layers)
+    common = {
+        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "triton": triton.__version__, "lightning": lightning.__version__, "transformers": transformers.__version__,
+        "model": f"llama-{args.layers}x4096-v128256", "params": n_params, "seq": args.seq,
+    }  # fmt: skip
+    rows = []
+
+    def record(system: str, schedule: str, tokens: int, run, *run_args) -> None:
+        try:
+            result = run(*run_args)
+        except Exception as err:  # keep the other systems' numbers; say what failed
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            result = {"step_s": float("nan"), "gpu_alloc_gib": float("nan"), "gpu_reserved_gib": float("nan"),
+                      "host_peak": 0, "timeline": f"FAILED: {type(err).__name__}: {str(err)[:300]}"}  # fmt: skip
+        rows.append({"system": system, "schedule": schedule, "tokens": tokens, **result})
+        print(rows[-1], flush=True)
+
+    systems = args.systems.split(",")
+    module = BenchLM.create(args.layers) if "a" in systems else None
+    if "d" in systems:
+        record("d_cpu_adamw_floor", "", 0, run_floor, args.layers, max(1, os.cpu_count() - 1))
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        shape = (tokens // args.seq, args.seq, args.steps, args.warmup)
+        if "a" in systems:
+            for schedule in ("backward", "forward"):
+                record("a_slideformer", schedule, tokens, run_slideformer, module, schedule, *shape, args.gpu_cap_gib)
+        if "b" in systems:
+            record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape)
+        if "c" in systems:
+            record("c_fsdp2_offload", "", tokens, run_fsdp2, args.layers, *shape)
+    for row in rows:
+        row.update(common)
+        row["tok_s"] = row["tokens"] / row["step_s"] if row["tokens"] and row["step_s"] == row["step_s"] else 0.0
+        row["host_peak_gib"] = row["host_peak"] / GIB
+        row["host_b_per_param"] = row.pop("host_peak") / n_params
+    fields = ["date", "gpu", "torch", "triton", "lightning", "transformers", "model", "params", "seq", "system",
+              "schedule", "tokens", "step_s", "tok_s", "gpu_alloc_gib", "gpu_reserved_gib", "host_peak_gib",
+              "host_b_per_param", "timeline"]  # fmt: skip
+    new = not os.path.exists(args.out)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+    print(f"{'system':<18}{'schedule':<10}{'tokens':>7}{'tok/s':>9}{'step s':>8}{'GPU GiB':>9}{'host B/p':>9}")
+    for r in rows:
+        print(f"{r['system']:<18}{r['schedule']:<10}{r['tokens']:>7}{r['tok_s']:>9.0f}{r['step_s']:>8.3f}"
+              f"{r['gpu_alloc_gib']:>9.1f}{r['host_b_per_param']:>9.1f}  {r['timeline']}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

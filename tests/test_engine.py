@@ -1,0 +1,156 @@
+"""The engine's machinery under a real Trainer on the CPU: slot reuse, no full logits, faults, evaluation loops,
+checkpoints."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from helpers import SEQ, VOCAB, CausalLM, StackLM, fit, max_rel_error, tiny_config, token_data
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_slide.loss
+from lightning_slide import NonFiniteGradientError, SlideFormerStrategy
+
+
+class _Probe(L.Callback):
+    """Records the engine's ring storage and upload count at every training batch."""
+
+    def __init__(self):
+        self.ring_ptrs, self.uploads = [], []
+
+    def on_train_batch_end(self, trainer, *args):
+        engine = trainer.strategy.engine
+        self.ring_ptrs.append(tuple(t.data_ptr() for buf in engine._ring for t in buf.flat.values()))
+        self.uploads.append(engine.stats.uploads)
+
+
+def test_window_slots_are_preallocated_and_reused():
+    probe = _Probe()
+    fit(CausalLM(tiny_config("llama", layers=5)), SlideFormerStrategy(num_slots=3), steps=4, callbacks=[probe])
+    assert len(probe.ring_ptrs[0]) == 3  # one bf16/fp32 flat per slot: 3 slots, fp32 run -> one dtype each
+    assert len(set(probe.ring_ptrs)) == 1  # the same memory every step: no allocation per step
+    per_step = [b - a for a, b in zip(probe.uploads, probe.uploads[1:])]
+    assert min(per_step) > 5  # 5 blocks through 3 slots: blocks are re-sent every step
+
+
+class _WatchNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+class _WatchSteps(L.Callback):
+    def __init__(self):
+        self.mode = _WatchNumel()
+
+    def on_train_batch_start(self, *args):
+        self.mode.__enter__()
+
+    def on_train_batch_end(self, *args):
+        self.mode.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("install_loss", [True, False])
+def test_no_full_logits_in_a_training_step(monkeypatch, install_loss):
+    monkeypatch.setattr(lightning_slide.loss, "_CHUNK_ELEMENTS", 1000)  # chunk the tiny vocabulary too
+    watch = _WatchSteps()
+    batch = 4
+    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(install_loss=install_loss), steps=2, callbacks=[watch])
+    full_logits = batch * SEQ * VOCAB
+    if install_loss:
+        assert 0 < watch.mode.largest < full_logits
+    else:  # the watcher does see the logits when Hugging Face's own loss runs
+        assert watch.mode.largest >= full_logits
+
+
+class _NaNAt(CausalLM):
+    def __init__(self, *args, bad_step=2, skip=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bad_step, self.skip = bad_step, skip
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.bad_step:
+            return None if self.skip else loss * float("nan")
+        return loss
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_nonfinite_gradient_stops_with_step_and_block(clip):
+    with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in '(model|the global)"):
+        fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=4, gradient_clip_val=clip)
+
+
+def test_nonfinite_step_can_be_skipped_with_clipping():
+    config = tiny_config("llama")
+    nan_module = _NaNAt(config)
+    skip_module = _NaNAt(config, skip=True)  # plain Lightning: returning None skips the update
+    skip_module.load_state_dict(nan_module.state_dict())
+    ref, _ = fit(skip_module, "auto", steps=4, gradient_clip_val=1.0)
+    ours, _ = fit(nan_module, SlideFormerStrategy(on_nonfinite="skip"), steps=4, gradient_clip_val=1.0)
+    err, where = max_rel_error(ours, ref)
+    assert all(torch.isfinite(v).all() for v in ours.values())
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_validation_test_and_predict_loops():
+    module = CausalLM(tiny_config("qwen3"))
+    data = DataLoader(TensorDataset(token_data(8, seed=3)), batch_size=4)
+    results = {}
+    for name, strategy in [("plain", "auto"), ("ours", SlideFormerStrategy(num_slots=2))]:
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, val_check_interval=2,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+        model = CausalLM(tiny_config("qwen3"))
+        model.load_state_dict(module.state_dict())
+        trainer.fit(model, DataLoader(TensorDataset(token_data()), batch_size=4), data)
+        val = trainer.callback_metrics["val_loss"].item()
+        test = trainer.validate(model, data, verbose=False)[0]["val_loss"]
+        results[name] = (val, test)
+    assert math.isclose(results["ours"][0], results["plain"][0], rel_tol=1e-5)
+    assert math.isclose(results["ours"][1], results["plain"][1], rel_tol=1e-5)
+
+
+def test_predict_on_a_plain_model_returns_logits():
+    module = StackLM()
+    ids = token_data(4, seed=5)
+
+    class Predict(StackLM):
+        def predict_step(self, batch, batch_idx):
+            return self.net(batch[0])
+
+    model = Predict()
+    model.load_state_dict(module.state_dict())
+    with torch.no_grad():
+        expected = model.eval().net(ids)
+    trainer = L.Trainer(strategy=SlideFormerStrategy(num_slots=2), accelerator="cpu", logger=False)
+    (out,) = trainer.predict(model, DataLoader(TensorDataset(ids), batch_size=4))
+    torch.testing.assert_close(out, expected)
+
+
+def test_checkpoint_and_resume_at_epoch_end_continue_exactly(tmp_path):
+    module = CausalLM(tiny_config("llama", tied=True))
+    straight, _ = fit(module, SlideFormerStrategy(num_slots=2), steps=8, gradient_clip_val=0.5)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
+    fit(
+        module,
+        SlideFormerStrategy(num_slots=2),
+        steps=4,
+        gradient_clip_val=0.5,
+        callbacks=[ckpt],
+        enable_checkpointing=True,
+    )  # fmt: skip  (4 steps = one epoch of 4 batches)
+    path = next(tmp_path.glob("*.ckpt"))
+    saved = torch.load(path, weights_only=True)
+    assert saved["optimizer_states"][0]["state"][0]["exp_avg"].device.type == "cpu"
+    resumed, _ = fit(module, SlideFormerStrategy(num_slots=2), steps=8, gradient_clip_val=0.5, ckpt_path=str(path))
+    err, where = max_rel_error(resumed, straight)
+    assert err < 1e-6, f"{where}: {err:.2e}"

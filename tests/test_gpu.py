@@ -1,0 +1,83 @@
+"""GPU tests (run on the GPU machine): equivalence on CUDA, a model that exposes missing stream synchronization,
+and errors raised before memory is pinned."""
+
+import pytest
+import torch
+from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
+
+from lightning_slide import SlideFormerStrategy
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(("tied", "clip", "accumulate"), [(False, None, 1), (True, 0.05, 2), (False, None, 2)])
+def test_cuda_fp32_matches_plain(tied, clip, accumulate):
+    module = CausalLM(tiny_config("llama", tied=tied))
+    kwargs = dict(accelerator="gpu", gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+    ref, _ = fit(module, "auto", **kwargs)
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_cuda_bf16_within_twice_plain_bf16_error(clip):
+    module = CausalLM(tiny_config("qwen3", tied=True))
+    ref32, _ = fit(module, "auto", accelerator="gpu", gradient_clip_val=clip)
+    plain16, _ = fit(module, "auto", accelerator="gpu", precision="bf16-mixed", gradient_clip_val=clip)
+    ours16, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu", precision="bf16-mixed",
+                    gradient_clip_val=clip)  # fmt: skip
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_low_arithmetic_intensity_exposes_missing_synchronization(clip):
+    # Large weights, almost no compute (2 tokens per sequence): copies dominate, so a kernel that ran before its
+    # weights (or gradients) finished moving would change the result.
+    config = tiny_config("llama", layers=10, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+                         num_key_value_heads=4)  # fmt: skip
+    module = CausalLM(config)
+    data = token_data(8, seq=2)
+    kwargs = dict(accelerator="gpu", gradient_clip_val=clip, data=data, batch_size=2, steps=4)
+    ref, _ = fit(module, "auto", **kwargs)
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_dropout_model_on_cuda_matches():
+    module = StackLM(dropout=0.3)
+    ref, _ = fit(module, "auto", accelerator="gpu")
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu")
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_masters_are_pinned_and_buffers_on_gpu_during_training():
+    import lightning as L
+
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            seen["pinned"] = all(p.is_pinned() and p.device.type == "cpu" for p in module.parameters())
+            seen["buffers"] = {b.device.type for b in module.buffers()}
+
+    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1, callbacks=[Look()])
+    assert seen == {"pinned": True, "buffers": {"cuda"}}
+
+
+def test_bad_optimizer_fails_before_pinning():
+    class Bad(StackLM):
+        def configure_optimizers(self):
+            return torch.optim.RMSprop(self.parameters())
+
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = Bad()
+    trainer = L.Trainer(strategy=SlideFormerStrategy(), accelerator="gpu", devices=1, max_steps=1, logger=False)
+    with pytest.raises(TypeError, match="supports torch.optim.AdamW"):
+        trainer.fit(model, DataLoader(TensorDataset(token_data()), batch_size=4))
+    assert not any(p.is_pinned() for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())

@@ -1,0 +1,150 @@
+"""The strategy as Lightning sees it: registration, construction, precision, devices, and bad input."""
+
+import importlib
+
+import lightning as L
+import pytest
+import torch
+from helpers import CausalLM, StackLM, fit, max_rel_error, tiny_config, token_data
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_slide
+from lightning_slide import SlideFormerPrecision, SlideFormerStrategy
+
+
+def _loader():
+    return DataLoader(TensorDataset(token_data()), batch_size=4)
+
+
+def _trainer(**kwargs):
+    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, **kwargs)
+
+
+def test_registered_on_import_and_reimport_is_harmless():
+    assert "slideformer" in StrategyRegistry
+    importlib.reload(lightning_slide)
+    assert "slideformer" in StrategyRegistry
+
+
+def test_string_keeps_our_precision_and_root_device():
+    trainer = _trainer(strategy="slideformer", precision="bf16-mixed")
+    assert isinstance(trainer.strategy, SlideFormerStrategy)
+    assert isinstance(trainer.strategy.precision_plugin, SlideFormerPrecision)
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+    assert trainer.strategy.root_device == torch.device("cpu")
+    assert _trainer(strategy="slideformer").strategy.precision_plugin.precision == "32-true"  # CPU default
+
+
+def test_instance_with_options():
+    strategy = SlideFormerStrategy(num_slots=4, update_schedule="forward")
+    trainer = _trainer(strategy=strategy, precision="32-true")
+    assert trainer.strategy is strategy
+    assert strategy.num_slots == 4
+    assert trainer.strategy.precision_plugin.precision == "32-true"
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+def test_unsupported_precision_is_a_clear_error(precision):
+    with pytest.raises(ValueError, match="bf16-mixed' or '32-true'"):
+        _trainer(strategy="slideformer", precision=precision)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_slots": 1}, "num_slots must be an int >= 2"),
+        ({"update_schedule": "sideways"}, "update_schedule must be"),
+        ({"on_nonfinite": "ignore"}, "on_nonfinite must be"),
+        ({"cpu_threads": 0}, "cpu_threads must be"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SlideFormerStrategy(**kwargs)
+
+
+def test_lightning_cli_yaml_class_path(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  max_steps: 1\n"
+        "  strategy:\n"
+        "    class_path: lightning_slide.SlideFormerStrategy\n"
+        "    init_args:\n"
+        "      num_slots: 2\n"
+    )
+    cli = LightningCLI(StackLM, run=False, args=["--config", str(config)], save_config_kwargs={"overwrite": True})
+    assert isinstance(cli.trainer.strategy, SlideFormerStrategy)
+    assert cli.trainer.strategy.num_slots == 2
+
+
+class _TwoOptimizers(StackLM):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net.blocks.parameters()), torch.optim.AdamW(self.net.head.parameters())
+
+
+class _Manual(StackLM):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class _RMSprop(StackLM):
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters())
+
+
+class _NoStack(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0].float()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+@pytest.mark.parametrize(
+    ("module", "strategy", "kwargs", "error", "match"),
+    [
+        (_TwoOptimizers, {}, {}, RuntimeError, "multiple optimizers"),
+        (_Manual, {}, {}, ValueError, "automatic optimization only"),
+        (_RMSprop, {}, {}, TypeError, "supports torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"),
+        (_NoStack, {}, {}, ValueError, "could not find the stack of transformer blocks"),
+        (StackLM, {"blocks": "net.nowhere"}, {}, ValueError, "no such submodule"),
+        (StackLM, {"blocks": "net.head"}, {}, ValueError, "must name a non-empty nn.ModuleList"),
+        (StackLM, {"update_schedule": "backward"}, {"gradient_clip_val": 1.0}, ValueError, "update_schedule='forward'"),
+        (StackLM, {"on_nonfinite": "skip"}, {}, ValueError, "needs the global gradient norm"),
+    ],
+)
+def test_bad_setups_fail_before_anything_moves(module, strategy, kwargs, error, match):
+    model = module()
+    before = {k: (v.data_ptr(), v.device) for k, v in model.state_dict().items()}
+    trainer = _trainer(strategy=SlideFormerStrategy(**strategy), max_steps=1, **kwargs)
+    with pytest.raises(error, match=match):
+        trainer.fit(model, _loader())
+    after = {k: (v.data_ptr(), v.device) for k, v in model.state_dict().items()}
+    assert after == before  # not moved, not re-allocated (pinned) before the error
+
+
+def test_two_devices_is_a_clear_error():
+    trainer = L.Trainer(strategy="slideformer", accelerator="cpu", devices=2, max_steps=1, logger=False)
+    with pytest.raises(ValueError, match="trains on one device"):
+        trainer.fit(StackLM(), _loader())
+
+
+def test_hf_gradient_checkpointing_is_turned_off_and_results_hold():
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, "auto", steps=3)
+    module.model.gradient_checkpointing_enable()
+    ours, trained = fit(module, SlideFormerStrategy(num_slots=2), steps=3)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in trained.modules())
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
