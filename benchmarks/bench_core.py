@@ -100,7 +100,7 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
             engine = trainer.strategy.engine
             times.append(time.perf_counter())
             timeline.append(
-                (engine.worker.busy_s, engine.stats.wait_update_s, engine.stats.wait_landing_s,
+                (engine.worker.busy_s, engine.worker.wait_s, engine.stats.wait_update_s, engine.stats.wait_landing_s,
                  engine.stats.upload_bytes, engine.router.download_bytes)
             )  # fmt: skip
 
@@ -121,10 +121,11 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
     mid = sorted(range(len(step_times)), key=step_times.__getitem__)[len(step_times) // 2]
     alloc, reserved = gpu_peaks()
     torch.cuda.set_per_process_memory_fraction(1.0)
-    busy, wait_update, wait_landing, up, down = deltas[mid]
+    busy, worker_wait, wait_update, wait_landing, up, down = deltas[mid]
     return {
         "step_s": step_times[mid], "gpu_alloc_gib": alloc, "gpu_reserved_gib": reserved, "host_peak": peak_rss(),
-        "timeline": f"cpu_worker_busy={busy:.3f}s wait_update={wait_update:.3f}s wait_landing={wait_landing:.3f}s"
+        "timeline": f"cpu_worker_busy={busy:.3f}s cpu_worker_waits_gpu={worker_wait:.3f}s"
+                    f" train_thread_waits_update={wait_update:.3f}s train_thread_waits_buffer={wait_landing:.3f}s"
                     f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB",
     }  # fmt: skip
 
@@ -234,6 +235,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", default="d,a,b,c")
+    parser.add_argument("--schedules", default="backward,forward", help="update schedules of (a)")
     parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
     parser.add_argument("--out", default="benchmarks/results/core.csv")
     args = parser.parse_args()
@@ -267,7 +269,7 @@ def main() -> None:
     for tokens in (int(t) for t in args.tokens.split(",")):
         shape = (tokens // args.seq, args.seq, args.steps, args.warmup)
         if "a" in systems:
-            for schedule in ("backward", "forward"):
+            for schedule in args.schedules.split(","):
                 record("a_slideformer", schedule, tokens, run_slideformer, module, schedule, *shape, args.gpu_cap_gib)
         if "b" in systems:
             record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape)

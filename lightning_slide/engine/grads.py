@@ -15,6 +15,7 @@ wait on the device until the owner's backward adds its own, so every parameter i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,9 @@ class GradRouter:
         self._stash: dict[nn.Parameter, list[Contribution]] = {}  # waiting for the owner's contribution
         self._owner_of: dict[nn.Parameter, Unit] = {}
         self._updated: set[nn.Parameter] = set()  # updated during this window's last backward
+        # NOTE: squared norms of gradients with one contribution in the window, summed on the device as they
+        # leave, so clipping by norm costs the CPU no pass over the gradients.
+        self._device_sq: dict[nn.Parameter, Tensor] = {}
         self.download_bytes = 0
         self._flags: dict[Unit, Tensor] = {}
 
@@ -133,7 +137,7 @@ class GradRouter:
             if streamed:
                 for owner in owners:
                     flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
-                    self.worker.submit(_check_finite, flag, flag_event, plan.step, owner.name)
+                    self.worker.submit(_check_finite, flag, plan.step, owner.name, after=flag_event)
             for owner, param, contributions in ready:
                 self._send_param(owner, param, contributions, plan if streamed else None)
                 for c in contributions:
@@ -153,21 +157,28 @@ class GradRouter:
         row_numel = param.numel() // rows
         step_rows = max(1, tr.chunk_numel // row_numel)
         direct = self.retain and self._take_fresh(owner, param)
+        if direct:
+            self._device_sq[param] = torch.zeros((), dtype=torch.float32, device=tr.device)
+        else:
+            self._device_sq.pop(param, None)
         for r0 in range(0, rows, step_rows):
             r1 = min(rows, r0 + step_rows)
             cut = slice(r0, r1) if param.dim() else None
             shape = (r1 - r0, *param.shape[1:]) if param.dim() else ()
             stage = tr.down_stage[: (r1 - r0) * row_numel].view(shape)
             _combine(stage, contribs, cut)
+            if direct:
+                flat = stage.view(-1)
+                self._device_sq[param] += torch.dot(flat, flat)
             landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
             target = _rows(self.host[param], cut) if direct else landing[: stage.numel()].view(shape)
             target.copy_(stage, non_blocking=True)
             self.download_bytes += 4 * stage.numel()
             event = tr.record(tr.download_stream)
             if plan is not None:
-                self.worker.submit(self._apply_chunk, param, cut, landing, target, event, plan, r1 == rows)
+                self.worker.submit(self._apply_chunk, param, cut, landing, target, plan, r1 == rows, after=event)
             else:
-                self.worker.submit(self._absorb_chunk, param, cut, landing, target, event)
+                self.worker.submit(self._absorb_chunk, param, cut, landing, target, after=event)
 
     def _take_fresh(self, owner: Unit, param: nn.Parameter) -> bool:
         if param not in self.host:
@@ -200,16 +211,12 @@ class GradRouter:
 
     # ---- on the worker ---------------------------------------------------------------------------------------
 
-    def _absorb_chunk(self, param, cut, landing, grad, event) -> None:
-        if event is not None:
-            event.synchronize()
+    def _absorb_chunk(self, param, cut, landing, grad) -> None:
         if landing is not None:
             _rows(self.host[param], cut).add_(grad)
             self.transfer.give_landing(landing)
 
-    def _apply_chunk(self, param, cut, landing, grad, event, plan: StepPlan, last: bool) -> None:
-        if event is not None:
-            event.synchronize()
+    def _apply_chunk(self, param, cut, landing, grad, plan: StepPlan, last: bool) -> None:
         try:
             hypers = plan.hypers[self.optimizer.group_index(param)]
             if cut is None or cut.start == 0:
@@ -234,6 +241,7 @@ class GradRouter:
             return
         for p in params:
             self.pending.discard(p)
+            self._device_sq.pop(p, None)
             self._updated.add(p)
             if self.retain:
                 self.fresh[p] = True
@@ -246,14 +254,21 @@ class GradRouter:
         for p in self.pending:
             self.fresh[p] = True
         self.pending.clear()
+        self._device_sq.clear()
 
     def global_norm(self, params: list[nn.Parameter]) -> float:
-        """The 2-norm of the retained gradients of ``params``, summed in the given (fixed) order."""
-        grads = [self.host[p] for p in params if p in self.pending]
-        if not grads:
-            return 0.0
-        norms = torch._foreach_norm(grads, 2.0)
-        return float(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+        """The 2-norm of this window's gradients of ``params``, summed in the given (fixed) order."""
+        params = [p for p in params if p in self.pending]
+        on_device = [p for p in params if p in self._device_sq]
+        on_host = [p for p in params if p not in self._device_sq]
+        squares = {}
+        if on_device:
+            values = torch.stack([self._device_sq[p] for p in on_device]).double().cpu().tolist()
+            squares.update(zip(on_device, values))
+        if on_host:
+            norms = torch._foreach_norm([self.host[p] for p in on_host], 2.0)
+            squares.update((p, float(n) ** 2) for p, n in zip(on_host, norms))
+        return math.sqrt(sum(squares[p] for p in params))
 
     def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
         grads = [self.host[p] for p in params]
@@ -294,9 +309,7 @@ def _combine(stage: Tensor, contributions: list[Contribution], cut: slice | None
             stage.add_(_rows(c, cut))
 
 
-def _check_finite(flag: Tensor, event, step: int, name: str) -> None:
-    if event is not None:
-        event.synchronize()
+def _check_finite(flag: Tensor, step: int, name: str) -> None:
     if not bool(flag[0]):
         raise NonFiniteGradientError(_nonfinite_message(step, name))
 

@@ -28,6 +28,7 @@ class CpuWorker:
     def __init__(self, *, num_threads: int | None = None) -> None:
         self._error: BaseException | None = None
         self.busy_s = 0.0  # seconds spent running tasks (for the benchmark's timeline)
+        self.wait_s = 0.0  # seconds spent waiting for the device before a task could run
         self._lock = threading.Lock()
         self._last: Future | None = None
         self._pool = ThreadPoolExecutor(
@@ -38,9 +39,10 @@ class CpuWorker:
     def error(self) -> BaseException | None:
         return self._error
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, after: Any = None) -> Future:
+        """Run ``fn(*args)`` after every earlier task and, if given, after the CUDA event ``after``."""
         with self._lock:
-            self._last = self._pool.submit(self._run, fn, args)
+            self._last = self._pool.submit(self._run, fn, args, after)
             return self._last
 
     def raise_if_failed(self) -> None:
@@ -58,9 +60,13 @@ class CpuWorker:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _run(self, fn: Callable[..., Any], args: tuple) -> Any:
+    def _run(self, fn: Callable[..., Any], args: tuple, after: Any) -> Any:
         if self._error is not None:
             raise self._error
+        if after is not None:
+            start = time.perf_counter()
+            after.synchronize()
+            self.wait_s += time.perf_counter() - start
         start = time.perf_counter()
         try:
             return fn(*args)
