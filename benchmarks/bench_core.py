@@ -263,18 +263,25 @@ def main() -> None:
         print(rows[-1], flush=True)
 
     systems = args.systems.split(",")
-    module = BenchLM.create(args.layers) if "a" in systems else None
+    token_counts = [int(t) for t in args.tokens.split(",")]
+
+    def shape(tokens: int) -> tuple:
+        return tokens // args.seq, args.seq, args.steps, args.warmup
+
     if "d" in systems:
         record("d_cpu_adamw_floor", "", 0, run_floor, args.layers, max(1, os.cpu_count() - 1))
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        shape = (tokens // args.seq, args.seq, args.steps, args.warmup)
-        if "a" in systems:
+    if "a" in systems:
+        module = BenchLM.create(args.layers)
+        for tokens in token_counts:
             for schedule in args.schedules.split(","):
-                record("a_slideformer", schedule, tokens, run_slideformer, module, schedule, *shape, args.gpu_cap_gib)
+                record("a_slideformer", schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
+                       args.gpu_cap_gib)  # fmt: skip
+        del module
+    for tokens in token_counts:
         if "b" in systems:
-            record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape)
+            record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens))
         if "c" in systems:
-            record("c_fsdp2_offload", "", tokens, run_fsdp2, args.layers, *shape)
+            record("c_fsdp2_offload", "", tokens, run_fsdp2, args.layers, *shape(tokens))
     for row in rows:
         row.update(common)
         row["tok_s"] = row["tokens"] / row["step_s"] if row["tokens"] and row["step_s"] == row["step_s"] else 0.0

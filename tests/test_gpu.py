@@ -50,10 +50,14 @@ def test_low_arithmetic_intensity_exposes_missing_synchronization(clip):
 
 
 def test_low_intensity_check_detects_a_missing_wait(monkeypatch):
+    from lightning_slide import NonFiniteGradientError
     from lightning_slide.engine.transfer import Transfer
 
     monkeypatch.setattr(Transfer, "wait", lambda self, event: None)  # compute no longer waits for copies
-    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2), None)
+    try:
+        ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2), None)
+    except NonFiniteGradientError:
+        return  # half-copied weights made NaN gradients: caught too
     err, _ = max_rel_error(ours, ref)
     assert err > 1e-3
 
