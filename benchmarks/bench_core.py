@@ -84,7 +84,7 @@ def batches(n: int, batch: int, seq: int, vocab: int = 128256):
 # ---- (a) SlideFormer ---------------------------------------------------------------------------------------------
 
 
-def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, warmup: int, cap_gib: float):
+def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, warmup: int, cap_gib: float, threads):
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -106,7 +106,7 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
 
     start_measure()
     trainer = L.Trainer(
-        strategy=lightning_slide.SlideFormerStrategy(),
+        strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads),
         precision="bf16-mixed",
         max_steps=warmup + steps,
         gradient_clip_val=1.0 if schedule == "forward" else None,
@@ -237,6 +237,8 @@ def main() -> None:
     parser.add_argument("--systems", default="d,a,b,c")
     parser.add_argument("--schedules", default="backward,forward", help="update schedules of (a)")
     parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
+    parser.add_argument("--cpu-threads", type=int, default=None, help="(a): threads of the CPU optimizer")
+    parser.add_argument("--main-threads", type=int, default=None, help="(a): torch threads of the training thread")
     parser.add_argument("--out", default="benchmarks/results/core.csv")
     args = parser.parse_args()
 
@@ -272,11 +274,14 @@ def main() -> None:
         record("d_cpu_adamw_floor", "", 0, run_floor, args.layers, max(1, os.cpu_count() - 1))
     if "a" in systems:
         module = BenchLM.create(args.layers)
+        default_threads = torch.get_num_threads()
+        torch.set_num_threads(args.main_threads or default_threads)
         for tokens in token_counts:
             for schedule in args.schedules.split(","):
                 record("a_slideformer", schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
-                       args.gpu_cap_gib)  # fmt: skip
+                       args.gpu_cap_gib, args.cpu_threads)  # fmt: skip
         del module
+        torch.set_num_threads(default_threads)
     for tokens in token_counts:
         if "b" in systems:
             record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens))
