@@ -156,7 +156,9 @@ class BenchLM:
 
 def run_plain(model, batch: int, seq: int, steps: int, warmup: int, fused: bool = True):
     model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=fused)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-5, weight_decay=0.01, fused=fused, foreach=None if fused else True
+    )
     data = [b.cuda() for b in batches(warmup + steps, batch, seq)]
     times = []
     for i, ids in enumerate(data):
@@ -199,7 +201,11 @@ def run_fsdp2(layers, batch, seq, steps, warmup):
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
-    out = run_plain(model, batch, seq, steps, warmup, fused=False)
+    try:
+        out = run_plain(model, batch, seq, steps, warmup, fused=True)
+    except RuntimeError as err:  # fused CPU AdamW on DTensor shards may be missing: the foreach kernel then
+        out = run_plain(model, batch, seq, steps, warmup, fused=False)
+        out["timeline"] = f"foreach AdamW (fused failed: {str(err)[:80]})"
     del model
     return out
 
@@ -252,6 +258,13 @@ def main() -> None:
         "triton": triton.__version__, "lightning": lightning.__version__, "transformers": transformers.__version__,
         "model": f"llama-{args.layers}x4096-v128256", "params": n_params, "seq": args.seq,
     }  # fmt: skip
+    fields = ["date", "gpu", "torch", "triton", "lightning", "transformers", "model", "params", "seq", "system",
+              "schedule", "tokens", "step_s", "tok_s", "gpu_alloc_gib", "gpu_reserved_gib", "host_peak_gib",
+              "host_b_per_param", "timeline"]  # fmt: skip
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    if not os.path.exists(args.out):
+        with open(args.out, "w", newline="") as f:
+            csv.DictWriter(f, fieldnames=fields).writeheader()
     rows = []
 
     def record(system: str, schedule: str, tokens: int, run, *run_args) -> None:
@@ -261,8 +274,14 @@ def main() -> None:
             torch.cuda.set_per_process_memory_fraction(1.0)
             result = {"step_s": float("nan"), "gpu_alloc_gib": float("nan"), "gpu_reserved_gib": float("nan"),
                       "host_peak": 0, "timeline": f"FAILED: {type(err).__name__}: {str(err)[:300]}"}  # fmt: skip
-        rows.append({"system": system, "schedule": schedule, "tokens": tokens, **result})
-        print(rows[-1], flush=True)
+        row = {"system": system, "schedule": schedule, "tokens": tokens, **result, **common}
+        row["tok_s"] = tokens / row["step_s"] if tokens and row["step_s"] == row["step_s"] else 0.0
+        row["host_peak_gib"] = row["host_peak"] / GIB
+        row["host_b_per_param"] = row.pop("host_peak") / n_params
+        rows.append(row)
+        with open(args.out, "a", newline="") as f:  # row by row: a run cut short keeps what it measured
+            csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerow(row)
+        print(row, flush=True)
 
     systems = args.systems.split(",")
     token_counts = [int(t) for t in args.tokens.split(",")]
@@ -287,21 +306,6 @@ def main() -> None:
             record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens))
         if "c" in systems:
             record("c_fsdp2_offload", "", tokens, run_fsdp2, args.layers, *shape(tokens))
-    for row in rows:
-        row.update(common)
-        row["tok_s"] = row["tokens"] / row["step_s"] if row["tokens"] and row["step_s"] == row["step_s"] else 0.0
-        row["host_peak_gib"] = row["host_peak"] / GIB
-        row["host_b_per_param"] = row.pop("host_peak") / n_params
-    fields = ["date", "gpu", "torch", "triton", "lightning", "transformers", "model", "params", "seq", "system",
-              "schedule", "tokens", "step_s", "tok_s", "gpu_alloc_gib", "gpu_reserved_gib", "host_peak_gib",
-              "host_b_per_param", "timeline"]  # fmt: skip
-    new = not os.path.exists(args.out)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
     print(f"{'system':<18}{'schedule':<10}{'tokens':>7}{'tok/s':>9}{'step s':>8}{'GPU GiB':>9}{'host B/p':>9}")
     for r in rows:
         print(f"{r['system']:<18}{r['schedule']:<10}{r['tokens']:>7}{r['tok_s']:>9.0f}{r['step_s']:>8.3f}"

@@ -1,0 +1,103 @@
+"""The CPU optimizer's budget (GPU machine): torch's fused CPU AdamW on pageable vs pinned memory, alone and while
+PCIe copies run in both directions, and whole tensors vs 8M-element chunks.
+
+    python benchmarks/bench_cpu_adam.py --params 1e9
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+
+def adam_time(params, grads, threads: int, chunk: int | None, repeats: int = 3) -> float:
+    states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+    torch.set_num_threads(threads)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for p, g, (m, v), s in zip(params, grads, states, steps):
+            s += 1
+            cuts = [slice(None)] if chunk is None else [slice(i, i + chunk) for i in range(0, p.numel(), chunk)]
+            for c in cuts:
+                torch._fused_adamw_([p[c]], [g[c]], [m[c]], [v[c]], [], [s], lr=1e-5, beta1=0.9, beta2=0.999,
+                                    weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+class PcieLoad:
+    """Keeps both copy directions busy from a background thread (pinned host <-> device, 256 MiB each)."""
+
+    def __init__(self):
+        n = 64 << 20
+        self.host_up, self.host_down = torch.empty(n, pin_memory=True), torch.empty(n, pin_memory=True)
+        self.dev_up, self.dev_down = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+        self.up, self.down = torch.cuda.Stream(), torch.cuda.Stream()
+        self.stop, self.bytes = False, 0
+        self.thread = threading.Thread(target=self.run)
+
+    def run(self):
+        while not self.stop:
+            with torch.cuda.stream(self.up):
+                self.dev_up.copy_(self.host_up, non_blocking=True)
+            with torch.cuda.stream(self.down):
+                self.host_down.copy_(self.dev_down, non_blocking=True)
+            self.up.synchronize()
+            self.down.synchronize()
+            self.bytes += 2 * self.host_up.numel() * 4
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop = True
+        self.thread.join()
+        self.gbps = self.bytes / (time.perf_counter() - self.start) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--params", type=float, default=1e9)
+    parser.add_argument("--out", default="benchmarks/results/cpu_adam.csv")
+    args = parser.parse_args()
+    n = int(args.params) // 4
+    threads = max(1, os.cpu_count() - 1)
+    rows = []
+    for memory in ("pageable", "pinned"):
+        params = [torch.randn(n, pin_memory=memory == "pinned") for _ in range(4)]
+        grads = [torch.randn(n, pin_memory=memory == "pinned") * 1e-3 for _ in range(4)]
+        for chunk in (None, 1 << 23):
+            for load in (False, True):
+                if load:
+                    with PcieLoad() as pcie:
+                        t = adam_time(params, grads, threads, chunk)
+                    gbps = pcie.gbps
+                else:
+                    t, gbps = adam_time(params, grads, threads, chunk), 0.0
+                rows.append({"memory": memory, "chunk": chunk or 0, "pcie_load_gbps": round(gbps, 1),
+                             "seconds": t, "gparams_per_s": 4 * n / t / 1e9})  # fmt: skip
+                print(rows[-1], flush=True)
+        del params, grads
+    common = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "threads": threads, "params": 4 * n}  # fmt: skip
+    new = not os.path.exists(args.out)
+    with open(args.out, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
+        if new:
+            writer.writeheader()
+        writer.writerows({**common, **r} for r in rows)
+
+
+if __name__ == "__main__":
+    main()
