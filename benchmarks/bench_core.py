@@ -68,6 +68,12 @@ def peak_rss() -> int:
 def start_measure() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+    # Pinned memory freed by an earlier run stays cached (and resident) unless released; release it so each
+    # system's host peak is its own.
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        if hasattr(torch._C, name):
+            getattr(torch._C, name)()
+            break
     torch.cuda.reset_peak_memory_stats()
     reset_peak_rss()
 
