@@ -43,16 +43,13 @@ _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 @dataclass
 class EngineStats:
-    """Where the training thread's time went, summed since the last ``reset`` (seconds, bytes)."""
+    """Where the training thread's time went, summed over the engine's life (seconds, bytes)."""
 
     wait_update_s: float = 0.0  # waiting for a CPU update before a block could be sent
     wait_landing_s: float = 0.0  # waiting for a free host buffer for gradients (CPU behind)
     upload_bytes: int = 0
     download_bytes: int = 0
     uploads: int = 0
-
-    def reset(self) -> None:
-        self.__init__()
 
 
 class SlideEngine:
@@ -127,7 +124,6 @@ class SlideEngine:
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self._plan: StepPlan | None = None
         self._order: dict[Unit, None] = {}  # units in the order of the first training forward
-        self.last_grad_norm: float | None = None
         self._ready = False
 
     # ---- set-up ------------------------------------------------------------------------------------------------
@@ -198,7 +194,8 @@ class SlideEngine:
                     f" block slots, the head and staging, but only {free / 2**30:.2f} GiB is free. Lower"
                     " SlideFormerStrategy(num_slots=...) (minimum 2) or free GPU memory."
                 )
-        self.transfer = Transfer(self.device, chunk_numel=self._chunk_numel, landing_buffers=self._landing_buffers)
+        landing = self._landing_buffers if self.optimizer is not None else 0
+        self.transfer = Transfer(self.device, chunk_numel=self._chunk_numel, landing_buffers=landing)
         self.worker = CpuWorker(num_threads=self._cpu_threads)
         if self.optimizer is not None:
             self.router = GradRouter(self.transfer, self.worker, self.optimizer, retain=self._retain)
@@ -263,18 +260,15 @@ class SlideEngine:
 
     def _wait_updates(self, unit: Unit) -> None:
         for owner in unit.owners():
-            if owner.update_done is not None and not owner.update_done.done():
+            if owner.update_done is not None:
                 start = time.perf_counter()
-                owner.update_done.result()
+                owner.update_done.result()  # also re-raises a failed update
                 self.stats.wait_update_s += time.perf_counter() - start
-            elif owner.update_done is not None:
-                owner.update_done.result()  # re-raises a failed update
 
     def _upload(self, unit: Unit, buf: DeviceBuffer) -> None:
         self._wait_updates(unit)
         buf.ready = self.transfer.upload(list(zip((p.data for p in unit.params), buf.views(unit))), after=buf.free)
         buf.tag = (unit, self._version(unit))
-        unit.last_upload = buf.ready
         self.stats.uploads += 1
         self.stats.upload_bytes += sum(p.numel() * p.element_size() for p in unit.params)
 
@@ -423,7 +417,6 @@ class SlideEngine:
         """Clip by the global 2-norm, exactly as ``torch.nn.utils.clip_grad_norm_``; returns the norm."""
         self._check_clip("norm")
         total = self.router.global_norm(self._update_order_params())
-        self.last_grad_norm = total
         if not math.isfinite(total):
             if self.on_nonfinite == "skip":
                 log.warning("Skipping optimizer step %d: the gradient norm is %s.", self._plan.step, total)

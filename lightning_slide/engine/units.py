@@ -48,7 +48,6 @@ class Unit:
         self.owner: list[Unit] = [self] * len(self.params)  # who streams each gradient (tied weights: one owner)
         self.update_done: Future | None = None  # the last scheduled update of the params this unit owns
         self.version = 0  # bumped whenever an update of any of its params is scheduled
-        self.last_upload: object | None = None  # event of the last copy that read the masters
 
     @property
     def numel(self) -> dict[torch.dtype, int]:
