@@ -4,3 +4,11 @@ NOTE: keep this file free of side effects and without a ``__version__``: run fro
 transformers imports a folder named ``kernels`` while building models, and would take one that carries a
 version for Hugging Face's package of that name.
 """
+
+from .linear_cross_entropy import (
+    FusedLinearCrossEntropy,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_ref,
+)
+
+__all__ = ["FusedLinearCrossEntropy", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]

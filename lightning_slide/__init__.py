@@ -6,7 +6,8 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .engine import NonFiniteGradientError, PinnedMemoryError
-from .loss import causal_lm_loss, chunked_linear_cross_entropy
+from .kernels import fused_linear_cross_entropy
+from .loss import causal_lm_loss
 from .precision import SlideFormerPrecision
 from .strategy import SlideFormerStrategy
 
@@ -19,5 +20,5 @@ __all__ = [
     "SlideFormerPrecision",
     "SlideFormerStrategy",
     "causal_lm_loss",
-    "chunked_linear_cross_entropy",
+    "fused_linear_cross_entropy",
 ]

@@ -1,9 +1,15 @@
-"""Test configuration: the GPU marker and a fixed seed for every test."""
+"""Test configuration: the GPU marker, Triton's interpreter on CPU-only machines, a fixed seed for every test."""
 
+import os
 import warnings
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU under the interpreter (set before any kernel module is imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*GPU available but not used.*")

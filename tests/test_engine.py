@@ -4,13 +4,13 @@ checkpoints."""
 import math
 
 import lightning as L
+import lightning_slide.kernels.linear_cross_entropy as flce
 import pytest
 import torch
 from helpers import SEQ, VOCAB, CausalLM, StackLM, fit, max_rel_error, tiny_config, token_data
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_slide.loss
 from lightning_slide import NonFiniteGradientError, SlideFormerStrategy
 
 
@@ -61,7 +61,7 @@ class _WatchSteps(L.Callback):
 
 @pytest.mark.parametrize("install_loss", [True, False])
 def test_no_full_logits_in_a_training_step(monkeypatch, install_loss):
-    monkeypatch.setattr(lightning_slide.loss, "_CHUNK_ELEMENTS", 1000)  # chunk the tiny vocabulary too
+    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", 1000)  # chunk the tiny vocabulary too
     watch = _WatchSteps()
     batch = 4
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(install_loss=install_loss), steps=2, callbacks=[watch])

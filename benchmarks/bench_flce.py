@@ -1,0 +1,107 @@
+"""Fused linear cross-entropy benchmark (GPU machine): ours (Triton, and the chunked torch path) against torch
+eager, torch.compile and Liger-Kernel (default bf16 accumulation and fp32 accumulation, if installed), in one run.
+
+H=4096, V=128256, bf16, fwd+bwd. Reports the median time (triton.testing.do_bench), the peak memory the op allocates
+beyond its inputs (gradient outputs and workspaces included), and the relative error of dx and dW against an fp32
+reference. Appends CSV rows to --out.
+
+    python benchmarks/bench_flce.py --tokens 4096,8192,16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+
+import lightning_slide.kernels.linear_cross_entropy as flce
+import torch
+import torch.nn.functional as F
+import triton
+from lightning_slide.kernels import fused_linear_cross_entropy
+from triton.testing import do_bench
+
+GIB = 2**30
+
+
+def eager(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+def systems():
+    out = {"ours_triton": ("triton", fused_linear_cross_entropy), "ours_torch": ("torch", fused_linear_cross_entropy),
+           "torch_eager": (None, eager), "torch_compile": (None, torch.compile(eager))}  # fmt: skip
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+
+        out["liger"] = (None, lambda h, w, t: liger(h, w, t))
+        out["liger_fp32_accum"] = (None, lambda h, w, t: liger(h, w, t, accum_dtype=torch.float32))
+    except ImportError as err:
+        print(f"Liger not available ({err}); skipping it")
+    return out
+
+
+def measure(fn, h, w, t, ref_grads):
+    def step():
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        return torch.autograd.grad(fn(hh, ww, t), (hh, ww))
+
+    dx, dw = step()  # warm-up (and autotuning / compilation)
+    errors = [((a.float() - b).norm() / b.norm()).item() for a, b in zip((dx, dw), ref_grads)]
+    del dx, dw
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    ms = do_bench(step, warmup=100, rep=500, return_mode="median")
+    return ms, peak, errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="4096,8192,16384")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--out", default="benchmarks/results/flce.csv")
+    args = parser.parse_args()
+    rows = []
+    todo = systems()
+    for n in (int(x) for x in args.tokens.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(n, args.hidden, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(args.vocab, args.hidden, device="cuda", generator=g) * 0.02).bfloat16()
+        t = torch.randint(0, args.vocab, (n,), device="cuda", generator=g)
+        hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+        ref_grads = torch.autograd.grad(eager(hf, wf, t), (hf, wf))
+        del hf, wf
+        for name, (path, fn) in todo.items():
+            if path is not None:
+                flce.TRITON_ON_CUDA = path == "triton"
+            try:
+                ms, peak, (err_dx, err_dw) = measure(fn, h, w, t, ref_grads)
+                note = ""
+            except Exception as err:  # keep the others; say what failed
+                ms = peak = err_dx = err_dw = float("nan")
+                note = f"FAILED: {type(err).__name__}: {str(err)[:200]}"
+            tflops = 3 * 2 * n * args.hidden * args.vocab / (ms * 1e-3) / 1e12
+            rows.append({"system": name, "tokens": n, "ms": ms, "tflops_3mm": tflops, "peak_extra_gib": peak,
+                         "dx_rel_err": err_dx, "dw_rel_err": err_dw, "note": note})  # fmt: skip
+            print(rows[-1], flush=True)
+        del ref_grads
+    common = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "triton": triton.__version__, "hidden": args.hidden,
+              "vocab": args.vocab}  # fmt: skip
+    new = not os.path.exists(args.out)
+    with open(args.out, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
+        if new:
+            writer.writeheader()
+        writer.writerows({**common, **r} for r in rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,453 @@
+"""Fused linear cross-entropy: the loss of ``hidden @ weight.T (+ bias)`` without the (tokens x vocabulary) logits.
+
+The vocabulary is walked in chunks. Pass 1 (forward) computes each chunk's logits with one matmul and folds them
+into a running log-sum-exp per token (``_lse_kernel``). Pass 2 (backward) recomputes each chunk's logits, turns
+them into their gradient in place (``_grad_kernel``), and takes two matmuls: the hidden gradient accumulates in
+fp32 across chunks, and the weight gradient of the chunk comes from one matmul over *all* tokens, so it is rounded
+once, as in plain PyTorch — fp32-accurate with no fp32 (vocabulary x hidden) buffer. The cost of that accuracy is
+a fourth matmul (the recompute): 4 x 2NHV FLOPs instead of 3 x 2NHV.
+
+Per token t with logits z (after the optional soft-cap ``c * tanh(x / c)``), target y, smoothing e, z-loss a:
+
+    lse = log(sum_j exp z_j)
+    loss = lse - (1 - e) * z_y - (e / V) * sum_j z_j + a * lse^2
+    dloss/dz_j = softmax_j * (1 + 2 a lse) - (1 - e) [j == y] - e / V        (times 1 - (z_j / c)^2 for the cap)
+
+Layering (as Liger-Kernel's): Triton kernels -> launchers ``flce_forward`` / ``flce_backward`` ->
+``FusedLinearCrossEntropyFunction`` -> ``FusedLinearCrossEntropy`` (module) -> ``fused_linear_cross_entropy``.
+``fused_linear_cross_entropy_ref`` is the readable full-logits reference. On the CPU (without
+``TRITON_INTERPRET=1``) the two kernels' work is done by the equivalent torch ops in ``_lse_chunk_torch`` and
+``_grad_chunk_torch``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# NOTE: the Triton path is verified under the interpreter; on CUDA it is switched on once the GPU tests and the
+# benchmark have run on the GPU machine (until then CUDA tensors take the torch path).
+TRITON_ON_CUDA = False
+# torch.mm(..., out_dtype=torch.float32): bf16 inputs, fp32 result without a rounded bf16 intermediate (CUDA)
+_MM_OUT_DTYPE = any("out_dtype" in str(s) for s in torch._C._jit_get_schemas_for_operator("aten::mm"))
+_CHUNK_ELEMENTS = 1 << 26  # logits per vocabulary chunk (N x Vc), 128 MiB in bf16
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _configs() -> list[triton.Config]:
+    # NOTE: one config when interpreting: multi-config autotuning fails under TRITON_INTERPRET=1.
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_V": 256}, num_warps=4)]
+    return [triton.Config({"BLOCK_V": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)]
+
+
+# NOTE: both kernels update their arguments in place; restore_value keeps autotuning's trial runs from compounding.
+@triton.autotune(
+    configs=_configs(),
+    key=["n_cols"],
+    restore_value=["max_ptr", "sumexp_ptr", "target_logit_ptr", "sum_z_ptr", "best_ptr", "best_idx_ptr"],
+)
+@triton.jit
+def _lse_kernel(
+    logits_ptr, stride_row, target_ptr, max_ptr, sumexp_ptr, target_logit_ptr, sum_z_ptr, best_ptr, best_idx_ptr,
+    n_cols, col_offset, softcap,
+    HAS_SOFTCAP: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # logits: (N, n_cols), one vocabulary chunk starting at col_offset; one program per token row.
+    # Folds the chunk into the row's running max m and sum of exp(z - m) (online softmax), picks z[target].
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    target = tl.load(target_ptr + row) - col_offset
+    m = tl.load(max_ptr + row)
+    s = tl.load(sumexp_ptr + row)
+    z_target = tl.load(target_logit_ptr + row)
+    sum_z = 0.0
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.zeros((), tl.int64)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        inside = cols < n_cols
+        z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        z = tl.where(inside, z, float("-inf"))  # after the cap, which would map -inf to -softcap
+        m_new = tl.maximum(m, tl.max(z, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+        z_target += tl.sum(tl.where(cols == target, z, 0.0), 0)
+        if SUM_Z:
+            sum_z += tl.sum(tl.where(inside, z, 0.0), 0)
+        if ARGMAX:
+            block_best = tl.max(z, 0)
+            block_idx = tl.argmax(z, 0).to(tl.int64) + start
+            better = block_best > best
+            best_idx = tl.where(better, block_idx, best_idx)
+            best = tl.maximum(best, block_best)
+    tl.store(max_ptr + row, m)
+    tl.store(sumexp_ptr + row, s)
+    tl.store(target_logit_ptr + row, z_target)
+    if SUM_Z:
+        tl.store(sum_z_ptr + row, tl.load(sum_z_ptr + row) + sum_z)
+    if ARGMAX:
+        old = tl.load(best_ptr + row)
+        better = best > old  # strictly: an earlier chunk keeps ties, as torch.argmax does
+        tl.store(best_ptr + row, tl.where(better, best, old))
+        tl.store(best_idx_ptr + row, tl.where(better, best_idx + col_offset, tl.load(best_idx_ptr + row)))
+
+
+@triton.autotune(configs=_configs(), key=["n_cols"], restore_value=["logits_ptr"])
+@triton.jit
+def _grad_kernel(
+    logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr,
+    n_cols, col_offset, vocab, softcap, smoothing, z_loss,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # logits: (N, n_cols), overwritten in place with dloss/dlogits times the row's scale (0 for ignored rows).
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    target = tl.load(target_ptr + row) - col_offset
+    lse = tl.load(lse_ptr + row)
+    scale = tl.load(scale_ptr + row)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        inside = cols < n_cols
+        z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        g = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing / vocab
+        g = tl.where(cols == target, g - (1.0 - smoothing), g)
+        if HAS_SOFTCAP:
+            g = g * (1.0 - (z / softcap) * (z / softcap))
+        tl.store(base + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp (portable, interpreter included): (1 - e) / (1 + e) with e = exp(-2|x|) is exact to a few
+    # ulps for |x| >= 0.1; below, where 1 - e cancels, the series x - x^3/3 + 2x^5/15 - 17x^7/315 is.
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 - a2 * (17.0 / 315.0))))
+    t = tl.where(a < 0.1, small, big)
+    return tl.where(x >= 0, t, -t)
+
+
+@dataclass(frozen=True)
+class CEOptions:
+    """The loss's options, passed to the autograd function as one object."""
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+    return_correct: bool = False
+
+
+@dataclass
+class _RowStats:
+    """Per-token running statistics of pass 1 (all fp32 except ``best_idx``)."""
+
+    max: Tensor
+    sumexp: Tensor
+    target_logit: Tensor
+    sum_z: Tensor
+    best: Tensor
+    best_idx: Tensor
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device) -> _RowStats:
+        def full(value, dtype=torch.float32):
+            return torch.full((n,), value, dtype=dtype, device=device)
+
+        return cls(full(float("-inf")), full(0.0), full(0.0), full(0.0), full(float("-inf")), full(0, torch.int64))
+
+
+def _use_triton(t: Tensor) -> bool:
+    return _INTERPRET or (t.is_cuda and TRITON_ON_CUDA)
+
+
+def _chunks(n: int, vocab: int):
+    size = min(vocab, max(1, _CHUNK_ELEMENTS // max(n, 1)))
+    if 128 <= size < vocab:
+        size -= size % 128  # whole tiles for the matmuls
+    for v0 in range(0, vocab, size):
+        yield v0, min(vocab, v0 + size)
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int) -> Tensor:
+    # h: (N, H) in the weight's dtype; returns x = h @ W[v0:v1].T + b[v0:v1]: (N, v1 - v0)
+    if bias is None:
+        return h @ weight[v0:v1].t()
+    return torch.addmm(bias[v0:v1].to(h.dtype), h, weight[v0:v1].t())
+
+
+def _lse_chunk_torch(x: Tensor, target: Tensor, stats: _RowStats, v0: int, opts: CEOptions) -> None:
+    z = x.float()
+    if opts.softcap:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    m_new = torch.maximum(stats.max, z.max(1).values)
+    stats.sumexp.mul_(torch.exp(stats.max - m_new)).add_(torch.exp(z - m_new[:, None]).sum(1))
+    stats.max.copy_(m_new)
+    local = target - v0
+    inside = (local >= 0) & (local < z.shape[1])
+    picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
+    stats.target_logit.add_(torch.where(inside, picked, 0.0))
+    if opts.label_smoothing:
+        stats.sum_z.add_(z.sum(1))
+    if opts.return_correct:
+        best, idx = z.max(1)
+        better = best > stats.best
+        stats.best_idx.copy_(torch.where(better, idx + v0, stats.best_idx))
+        stats.best.copy_(torch.maximum(best, stats.best))
+
+
+def _grad_chunk_torch(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0: int, vocab: int, o: CEOptions):
+    raw = x.float()
+    z = o.softcap * torch.tanh(raw / o.softcap) if o.softcap else raw
+    g = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * o.z_loss * lse[:, None]) - o.label_smoothing / vocab
+    local = target - v0
+    rows = ((local >= 0) & (local < z.shape[1])).nonzero().squeeze(1)
+    g[rows, local[rows]] -= 1.0 - o.label_smoothing
+    if o.softcap:
+        g = g * (1.0 - (z / o.softcap) ** 2)
+    x.copy_(g * scale[:, None])
+
+
+def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, opts: CEOptions):
+    """Pass 1. hidden: (N, H), weight: (V, H), target: (N,).
+
+    Returns:
+        per-token loss (N,) fp32 (0 where ignored), lse (N,) fp32, per-token correctness (N,) bool or None.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    h = hidden.to(weight.dtype)
+    stats = _RowStats.empty(n, hidden.device)
+    for v0, v1 in _chunks(n, vocab):
+        x = _chunk_logits(h, weight, bias, v0, v1)
+        if not _use_triton(x):
+            _lse_chunk_torch(x, target, stats, v0, opts)
+            continue
+        _lse_kernel[(n,)](
+            x, x.stride(0), target, stats.max, stats.sumexp, stats.target_logit, stats.sum_z, stats.best,
+            stats.best_idx, v1 - v0, v0, float(opts.softcap or 1.0),
+            HAS_SOFTCAP=bool(opts.softcap), SUM_Z=bool(opts.label_smoothing), ARGMAX=opts.return_correct,
+        )  # fmt: skip
+    lse = stats.max + torch.log(stats.sumexp)
+    valid = target != opts.ignore_index
+    eps = opts.label_smoothing
+    loss = lse - (1.0 - eps) * stats.target_logit - (eps / vocab) * stats.sum_z + opts.z_loss * lse * lse
+    loss = torch.where(valid, loss, 0.0)
+    correct = (stats.best_idx == target) & valid if opts.return_correct else None
+    return loss, lse, correct
+
+
+def flce_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, lse: Tensor, scale: Tensor,
+                  opts: CEOptions, need_weight_grad: bool):  # fmt: skip
+    """Pass 2. scale: (N,) fp32, dloss_total/dloss_token (0 where ignored).
+
+    Returns:
+        grad_hidden (N, H) in hidden's dtype, grad_weight (V, H) in weight's dtype or None, grad_bias or None.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    h = hidden.to(weight.dtype)
+    grad_h = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    grad_w = torch.empty_like(weight) if need_weight_grad else None
+    grad_b = torch.empty(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
+    for v0, v1 in _chunks(n, vocab):
+        x = _chunk_logits(h, weight, bias, v0, v1)
+        if _use_triton(x):
+            _grad_kernel[(n,)](
+                x, x.stride(0), target, lse, scale, v1 - v0, v0, vocab, float(opts.softcap or 1.0),
+                float(opts.label_smoothing), float(opts.z_loss), HAS_SOFTCAP=bool(opts.softcap),
+            )  # fmt: skip
+        else:
+            _grad_chunk_torch(x, target, lse, scale, v0, vocab, opts)
+        grad_h += _mm_f32(x, weight[v0:v1])  # dh += dz @ W_c
+        if grad_w is not None:
+            torch.mm(x.t(), h, out=grad_w[v0:v1])  # dW_c = dz.T @ h: one matmul over all tokens
+        if grad_b is not None:
+            grad_b[v0:v1] = x.float().sum(0)
+    return grad_h.to(hidden.dtype), grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+
+
+def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with an fp32 result (fp32 accumulation without a rounded low-precision intermediate on CUDA)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, normalizer, opts: CEOptions):
+        loss, lse, correct = flce_forward(hidden, weight, bias, target, opts)
+        valid = target != opts.ignore_index
+        if opts.reduction == "none":
+            out = loss
+        else:
+            total = loss.sum()
+            if normalizer is not None:
+                out = total / normalizer
+            elif opts.reduction == "mean":
+                out = total / valid.sum().clamp_min(1)  # all ignored: 0, not NaN; no host sync
+            else:
+                out = total
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.normalizer, ctx.opts = normalizer, opts
+        if correct is not None:
+            ctx.mark_non_differentiable(correct)
+            return out, correct
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out, *_):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        opts = ctx.opts
+        valid = target != opts.ignore_index
+        if opts.reduction == "none":
+            scale = grad_out.float()
+        elif ctx.normalizer is not None:
+            scale = grad_out.float() / ctx.normalizer
+        elif opts.reduction == "mean":
+            scale = grad_out.float() / valid.sum().clamp_min(1)
+        else:
+            scale = grad_out.float()
+        scale = torch.where(valid, scale.expand_as(lse), 0.0).contiguous()
+        grad_h, grad_w, grad_b = flce_backward(hidden, weight, bias, target, lse, scale, opts, ctx.needs_input_grad[1])
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    normalizer: Tensor | float | None = None,
+    return_correct: bool = False,
+    check_targets: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target``, without materializing the logits.
+
+    Args:
+        hidden: (N, H) hidden states; cast to the weight's dtype for the matmuls (as autocast would).
+        weight: (V, H) output head weight.
+        target: (N,) integer class ids; ``ignore_index`` marks tokens without a loss.
+        bias: optional (V,) bias.
+        ignore_index: target value that contributes nothing.
+        reduction: ``"mean"`` over non-ignored tokens (all ignored: 0, with zero gradients), ``"sum"``, or
+            ``"none"`` (per-token losses, 0 where ignored).
+        label_smoothing: as in ``torch.nn.functional.cross_entropy``.
+        z_loss: coefficient of ``logsumexp(logits)^2`` per non-ignored token.
+        softcap: Gemma-style ``softcap * tanh(logits / softcap)`` before the softmax.
+        normalizer: divide the summed loss by this instead of the valid-token count (e.g. Hugging Face's
+            ``num_items_in_batch``); with it, ``reduction`` must not be ``"none"``.
+        return_correct: also return (N,) booleans ``argmax(logits) == target`` (False where ignored).
+        check_targets: verify every target is in ``[0, V)`` or ``ignore_index`` (needs a host sync; always done
+            on the CPU).
+
+    Returns:
+        the loss, and with ``return_correct`` the per-token correctness.
+    """
+    _check(hidden, weight, target, bias, reduction, label_smoothing, z_loss, softcap, normalizer)
+    if check_targets or not hidden.is_cuda:
+        _check_target_range(target, weight.shape[0], ignore_index)
+    opts = CEOptions(ignore_index, reduction, float(label_smoothing), float(z_loss), softcap, return_correct)
+    return FusedLinearCrossEntropyFunction.apply(hidden, weight, bias, target.contiguous(), normalizer, opts)
+
+
+class FusedLinearCrossEntropy(torch.nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`; ``forward(hidden, weight, target, bias=None)``."""
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.options = options
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None):
+        return fused_linear_cross_entropy(hidden, weight, target, bias, **self.options)
+
+
+def fused_linear_cross_entropy_ref(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    normalizer: Tensor | float | None = None,
+) -> Tensor:
+    """The readable reference: full logits, then torch's cross-entropy (plus z-loss and soft-cap)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    valid = target != ignore_index
+    per_token = F.cross_entropy(
+        logits, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
+    )
+    per_token = per_token + z_loss * torch.logsumexp(logits, dim=-1) ** 2 * valid
+    if reduction == "none":
+        return per_token
+    if normalizer is not None:
+        return per_token.sum() / normalizer
+    if reduction == "sum":
+        return per_token.sum()
+    return per_token.sum() / valid.sum().clamp_min(1)
+
+
+def _check(hidden, weight, target, bias, reduction, label_smoothing, z_loss, softcap, normalizer) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (N, H) and weight (V, H) with the same H; got {tuple(hidden.shape)} and"
+            f" {tuple(weight.shape)}."
+        )
+    if not hidden.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(f"hidden and weight must be floating point; got {hidden.dtype} and {weight.dtype}.")
+    if target.shape != hidden.shape[:1] or target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"target must be ({hidden.shape[0]},) int64 or int32; got {tuple(target.shape)} {target.dtype}."
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be ({weight.shape[0]},); got {tuple(bias.shape)}.")
+    devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"hidden, weight, target and bias must be on one device; got {sorted(map(str, devices))}.")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}; got {reduction!r}.")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1); got {label_smoothing}.")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0; got {z_loss}.")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0; got {softcap}.")
+    if normalizer is not None and reduction == "none":
+        raise ValueError("normalizer divides a summed loss; it cannot be combined with reduction='none'.")
+
+
+def _check_target_range(target: Tensor, vocab: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"target[{i}] = {int(target[i])} is outside [0, {vocab}) and is not ignore_index={ignore_index}."
+        )

@@ -1,0 +1,169 @@
+"""The fused linear cross-entropy against an fp64 full-logits reference: Triton kernels (interpreter on the CPU,
+fp32) and the chunked torch path, odd shapes, every option, and bad input."""
+
+import lightning_slide.kernels.linear_cross_entropy as flce
+import pytest
+import torch
+from lightning_slide.kernels import FusedLinearCrossEntropy, fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+from torch.utils._python_dispatch import TorchDispatchMode
+
+N, H, V = 37, 19, 1001
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request, monkeypatch):
+    if request.param == "triton" and not flce._INTERPRET:
+        pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
+    if request.param == "torch":
+        monkeypatch.setattr(flce, "_INTERPRET", False)
+    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", N * 300)  # 4 vocabulary chunks of 256 (the last one 233)
+    return request.param
+
+
+def _inputs(bias=True, ignore_every=5):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5
+    b = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    target = torch.randint(0, V, (N,), generator=g)
+    if ignore_every:
+        target[::ignore_every] = -100
+    return hidden, weight, b, target
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+OPTIONS = [
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-3},
+    {"softcap": 3.0},
+    {"normalizer": 123.0},
+    {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 10.0, "reduction": "sum"},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_fp64_reference(path, options, bias):
+    hidden, weight, b, target = _inputs(bias)
+    leaves64 = [t.requires_grad_() for t in (hidden, weight, b) if t is not None]
+    leaves32 = [t.detach().float().requires_grad_() for t in leaves64]
+    h32, w32, b32 = leaves32[0], leaves32[1], leaves32[2] if bias else None
+    ours = fused_linear_cross_entropy(h32, w32, target, b32, **options)
+    ref = fused_linear_cross_entropy_ref(hidden, weight, target, b, **options)
+    assert _rel(ours, ref) < 1e-5
+    grad_out = torch.randn_like(ref) if ref.dim() else torch.tensor(1.7, dtype=torch.float64)
+    ours_grads = torch.autograd.grad(ours, leaves32, grad_out.float())
+    ref_grads = torch.autograd.grad(ref, leaves64, grad_out)
+    for name, mine, expected in zip(("hidden", "weight", "bias"), ours_grads, ref_grads):
+        assert _rel(mine, expected) < 1e-5, name
+
+
+def test_all_ignored_gives_zero_loss_and_zero_gradients(path):
+    hidden, weight, _, target = _inputs(bias=False)
+    target[:] = -100
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, target)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert h.grad.abs().max().item() == 0.0
+    assert w.grad.abs().max().item() == 0.0
+
+
+def test_per_token_correctness(path):
+    hidden, weight, _, target = _inputs(bias=False)
+    target[1] = (hidden[1] @ weight.t()).argmax()  # at least one token right
+    _, correct = fused_linear_cross_entropy(hidden.float(), weight.float(), target, return_correct=True)
+    expected = ((hidden @ weight.t()).argmax(-1) == target) & (target != -100)
+    assert torch.equal(correct, expected)
+    assert correct[1]
+
+
+def test_int32_targets_and_module_form(path):
+    hidden, weight, _, target = _inputs(bias=False)
+    loss = FusedLinearCrossEntropy(label_smoothing=0.05)(hidden.float(), weight.float(), target.int())
+    ref = fused_linear_cross_entropy_ref(hidden, weight, target, label_smoothing=0.05)
+    assert _rel(loss, ref) < 1e-5
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor any op produced, in bytes (the interpreter works on byte views of storages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_never_builds_full_logits(path):
+    hidden, weight, _, target = _inputs(bias=False)
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    with _Largest() as watch:
+        fused_linear_cross_entropy(h, w, target).backward()
+    assert watch.largest <= 4 * max(N * 256, V * H)  # one chunk of fp32 logits, or the weight gradient itself
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"hidden": torch.randn(N, H + 1)}, "same H"),
+        ({"hidden": torch.randn(N, H).int()}, "floating point"),
+        ({"target": torch.zeros(N + 1, dtype=torch.long)}, "target must be"),
+        ({"target": torch.zeros(N)}, "target must be"),
+        ({"bias": torch.randn(V + 1)}, "bias must be"),
+        ({"reduction": "avg"}, "reduction must be"),
+        ({"label_smoothing": 1.0}, "label_smoothing"),
+        ({"z_loss": -1.0}, "z_loss"),
+        ({"softcap": 0.0}, "softcap"),
+        ({"reduction": "none", "normalizer": 3.0}, "normalizer"),
+    ],
+)
+def test_bad_input_names_the_argument(change, match):
+    hidden, weight, _, target = _inputs(bias=False)
+    kwargs = {"hidden": hidden.float(), "weight": weight.float(), "target": target, **change}
+    with pytest.raises((ValueError, TypeError), match=match):
+        fused_linear_cross_entropy(**kwargs)
+
+
+def test_out_of_range_target_is_caught_on_cpu():
+    hidden, weight, _, target = _inputs(bias=False)
+    target[7] = V
+    with pytest.raises(ValueError, match=r"target\[7\] = 1001 is outside \[0, 1001\)"):
+        fused_linear_cross_entropy(hidden.float(), weight.float(), target)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("triton_on_cuda", [True, False], ids=["triton", "torch"])
+def test_cuda_bf16_error_within_twice_plain_bf16(monkeypatch, triton_on_cuda):
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(flce, "TRITON_ON_CUDA", triton_on_cuda)
+    n, h, v = 4096, 4096, 128256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16()
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+    target[::7] = -100
+
+    def run(fn, *tensors):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        loss = fn(*leaves)
+        return (loss.detach().float(), *torch.autograd.grad(loss, leaves))
+
+    ref = run(lambda a, b: fused_linear_cross_entropy_ref(a, b, target), hidden.float(), weight.float())
+    plain = run(lambda a, b: F.cross_entropy(F.linear(a, b).float(), target), hidden, weight)
+    ours = run(lambda a, b: fused_linear_cross_entropy(a, b, target), hidden, weight)
+    for name, p, o, r in zip(("loss", "dx", "dW"), plain, ours, ref):
+        plain_err, our_err = _rel(p.float(), r.double()), _rel(o.float(), r.double())
+        assert our_err <= 2 * plain_err + 1e-6, f"{name}: ours {our_err:.2e} vs plain bf16 {plain_err:.2e}"
