@@ -35,8 +35,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # NOTE: the Triton path is verified under the interpreter; on CUDA it is switched on once the GPU tests and the
 # benchmark have run on the GPU machine (until then CUDA tensors take the torch path).
 TRITON_ON_CUDA = False
-# torch.mm(..., out_dtype=torch.float32): bf16 inputs, fp32 result without a rounded bf16 intermediate (CUDA)
-_MM_OUT_DTYPE = any("out_dtype" in str(s) for s in torch._C._jit_get_schemas_for_operator("aten::mm"))
 _CHUNK_ELEMENTS = 1 << 26  # logits per vocabulary chunk (N x Vc), 128 MiB in bf16
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -272,21 +270,12 @@ def flce_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             )  # fmt: skip
         else:
             _grad_chunk_torch(x, target, lse, scale, v0, vocab, opts)
-        grad_h += _mm_f32(x, weight[v0:v1])  # dh += dz @ W_c
+        grad_h += (x @ weight[v0:v1]).float()  # dh += dz @ W_c, summed over chunks in fp32
         if grad_w is not None:
             torch.mm(x.t(), h, out=grad_w[v0:v1])  # dW_c = dz.T @ h: one matmul over all tokens
         if grad_b is not None:
             grad_b[v0:v1] = x.float().sum(0)
     return grad_h.to(hidden.dtype), grad_w, None if grad_b is None else grad_b.to(bias.dtype)
-
-
-def _mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with an fp32 result (fp32 accumulation without a rounded low-precision intermediate on CUDA)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda and _MM_OUT_DTYPE:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
