@@ -214,8 +214,9 @@ def _grad_chunk_torch(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0:
     z = o.softcap * torch.tanh(raw / o.softcap) if o.softcap else raw
     g = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * o.z_loss * lse[:, None]) - o.label_smoothing / vocab
     local = target - v0
-    rows = ((local >= 0) & (local < z.shape[1])).nonzero().squeeze(1)
-    g[rows, local[rows]] -= 1.0 - o.label_smoothing
+    inside = (local >= 0) & (local < z.shape[1])
+    hit = torch.where(inside, o.label_smoothing - 1.0, 0.0).unsqueeze(1)  # no host sync (unlike nonzero)
+    g.scatter_add_(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1), hit)
     if o.softcap:
         g = g * (1.0 - (z / o.softcap) ** 2)
     x.copy_(g * scale[:, None])
