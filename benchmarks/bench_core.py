@@ -106,7 +106,7 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
             engine = trainer.strategy.engine
             times.append(time.perf_counter())
             timeline.append(
-                (engine.worker.busy_s, engine.worker.wait_s, engine.stats.wait_update_s, engine.stats.wait_landing_s,
+                (engine.worker.busy_s, engine.worker.wait_s, engine.stats.wait_update_s, engine.stats.wait_send_s,
                  engine.stats.upload_bytes, engine.router.download_bytes)
             )  # fmt: skip
 
@@ -127,11 +127,11 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
     mid = sorted(range(len(step_times)), key=step_times.__getitem__)[len(step_times) // 2]
     alloc, reserved = gpu_peaks()
     torch.cuda.set_per_process_memory_fraction(1.0)
-    busy, worker_wait, wait_update, wait_landing, up, down = deltas[mid]
+    busy, worker_wait, wait_update, wait_send, up, down = deltas[mid]
     return {
         "step_s": step_times[mid], "gpu_alloc_gib": alloc, "gpu_reserved_gib": reserved, "host_peak": peak_rss(),
         "timeline": f"cpu_worker_busy={busy:.3f}s cpu_worker_waits_gpu={worker_wait:.3f}s"
-                    f" train_thread_waits_update={wait_update:.3f}s train_thread_waits_buffer={wait_landing:.3f}s"
+                    f" train_thread_waits_update={wait_update:.3f}s train_thread_waits_send={wait_send:.3f}s"
                     f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB",
     }  # fmt: skip
 

@@ -46,7 +46,7 @@ class EngineStats:
     """Where the training thread's time went, summed over the engine's life (seconds, bytes)."""
 
     wait_update_s: float = 0.0  # waiting for a CPU update before a block could be sent
-    wait_landing_s: float = 0.0  # waiting for a free host buffer for gradients (CPU behind)
+    wait_send_s: float = 0.0  # waiting for room to queue gradients (the CPU far behind)
     upload_bytes: int = 0
     download_bytes: int = 0
     uploads: int = 0
@@ -71,6 +71,8 @@ class SlideEngine:
         cpu_threads: intra-op threads of the CPU worker (``None``: torch's default).
         chunk_numel: elements per transfer chunk.
         landing_buffers: host buffers of ``chunk_numel`` fp32 elements for gradients in flight.
+        max_queued_grad_bytes: device memory that gradients waiting to be sent may hold before the backward
+            pass waits.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class SlideEngine:
         cpu_threads: int | None = None,
         chunk_numel: int = 1 << 23,
         landing_buffers: int = 64,
+        max_queued_grad_bytes: int = 1 << 30,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -119,6 +122,7 @@ class SlideEngine:
         self._check_optimizer_params()
         self._chunk_numel = max(chunk_numel, *(_row_numel(p) for u in self.units for p in u.params))
         self._landing_buffers = landing_buffers
+        self._max_queued_grad_bytes = max_queued_grad_bytes
         self._cpu_threads = cpu_threads
         self._retain = retain_grads or schedule == "forward"
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
@@ -198,7 +202,13 @@ class SlideEngine:
         self.transfer = Transfer(self.device, chunk_numel=self._chunk_numel, landing_buffers=landing)
         self.worker = CpuWorker(num_threads=self._cpu_threads)
         if self.optimizer is not None:
-            self.router = GradRouter(self.transfer, self.worker, self.optimizer, retain=self._retain)
+            self.router = GradRouter(
+                self.transfer,
+                self.worker,
+                self.optimizer,
+                retain=self._retain,
+                max_queued_bytes=self._max_queued_grad_bytes,
+            )
         move_except_parameters(self.model, self.device)
         self._pin_masters()
         ring_sizes = max_sizes(self.blocks)
@@ -245,6 +255,8 @@ class SlideEngine:
         finally:
             for unit in self.units:
                 unit.module.__dict__.pop("forward", None)
+            if self.optimizer is not None:
+                self.router.close()
             self.worker.shutdown()
             move_except_parameters(self.model, torch.device("cpu"))
             self._ring, self._own = [], {}
@@ -387,7 +399,7 @@ class SlideEngine:
         plan = self._plan if self.schedule == "backward" else None
         start = time.perf_counter()
         self.router.push(unit, grads, plan)
-        self.stats.wait_landing_s += time.perf_counter() - start
+        self.stats.wait_send_s += time.perf_counter() - start
 
     # ---- the optimizer step ------------------------------------------------------------------------------------
 
@@ -401,6 +413,7 @@ class SlideEngine:
         and show them as ``param.grad`` (hooks and clipping read them there)."""
         self.router.flush(self._plan if self.schedule == "backward" else None)
         if self.schedule == "forward":
+            self.router.drain()
             self.worker.drain()
             for p in self.router.pending:
                 p.grad = self.router.host[p]
@@ -442,6 +455,9 @@ class SlideEngine:
     def finish_step(self) -> None:
         """End of ``optimizer_step``: with the "forward" schedule, queue the updates in forward order."""
         plan, self._plan = self._plan, None
+        # NOTE: with the "backward" schedule, the sender queues each unit's update; the next forward must see
+        # them all queued before it waits on them.
+        self.router.drain()
         # NOTE: torch's LR schedulers warn unless the optimizer's step() ran; the engine applied it instead.
         self.optimizer.optimizer._opt_called = True
         if self.schedule == "forward":
@@ -455,6 +471,8 @@ class SlideEngine:
     def wait(self) -> None:
         """Complete every pending update (before validation, checkpoints, and the end of training)."""
         if self._ready:
+            if self.optimizer is not None:
+                self.router.drain()
             self.worker.drain()
 
 

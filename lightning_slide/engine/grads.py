@@ -11,11 +11,16 @@ Two ways a gradient can go, chosen per run by the engine:
 
 Contributions from a unit that does not own a parameter (the output head of a model with tied embeddings)
 wait on the device until the owner's backward adds its own, so every parameter is moved and updated once.
+
+The copies are issued by a sender thread, so the backward pass never waits for a free host buffer while the CPU
+catches up; it waits only when the gradients queued on the device exceed ``max_queued_bytes``.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +69,9 @@ class GradRouter:
         retain: keep full gradients on the host for the accumulation window (see module docstring).
     """
 
-    def __init__(self, transfer: Transfer, worker: CpuWorker, optimizer: CpuOptimizer, *, retain: bool) -> None:
+    def __init__(
+        self, transfer: Transfer, worker: CpuWorker, optimizer: CpuOptimizer, *, retain: bool, max_queued_bytes: int
+    ) -> None:
         self.transfer = transfer
         self.worker = worker
         self.optimizer = optimizer
@@ -80,6 +87,13 @@ class GradRouter:
         self._device_sq: dict[nn.Parameter, Tensor] = {}
         self.download_bytes = 0
         self._flags: dict[Unit, Tensor] = {}
+        self.max_queued_bytes = max_queued_bytes
+        self._queued_bytes = 0
+        self._room = threading.Condition()
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._sender = threading.Thread(target=self._send_loop, name="slide-send", daemon=True)
+        self._sender.start()
 
     def wants(self, unit: Unit, index: int) -> bool:
         """Whether the gradient of ``unit.params[index]`` is needed at all."""
@@ -99,21 +113,62 @@ class GradRouter:
             self._stash.setdefault(param, []).append(grad)
             if owner is unit:
                 ready.append((owner, param, self._stash.pop(param)))
-        if ready:
-            self._send(ready, plan)
+        self._enqueue(ready, plan)
 
     def flush(self, plan: StepPlan | None) -> None:
         """Send contributions still waiting for an owner whose backward did not run (e.g. an unused embedding)."""
         ready = [(self._owner_of[p], p, c) for p, c in self._stash.items()]
         self._stash.clear()
-        if ready:
-            self._send(ready, plan)
+        self._enqueue(ready, plan)
+
+    def drain(self) -> None:
+        """Wait until every queued gradient has been sent (and its update queued); raise the sender's error."""
+        self._queue.join()
+        self._raise()
 
     def end_window(self) -> None:
-        """The optimizer step is over: parameters may receive gradients for the next one."""
+        """The optimizer step is over (after ``drain``): parameters may receive gradients for the next one."""
         self._updated.clear()
 
-    def _send(self, ready: list[tuple[Unit, nn.Parameter, list[Contribution]]], plan: StepPlan | None) -> None:
+    def close(self) -> None:
+        self._queue.put(None)
+        self._sender.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _enqueue(self, ready: list, plan: StepPlan | None) -> None:
+        if not ready:
+            return
+        nbytes = sum(t.numel() * t.element_size() for _, _, cs in ready for c in cs for t in _tensors(c))
+        with self._room:
+            while self._queued_bytes and self._queued_bytes + nbytes > self.max_queued_bytes:
+                self._room.wait(timeout=0.5)
+                self._raise()
+            self._queued_bytes += nbytes
+        self._raise()
+        self._queue.put((ready, plan, self.transfer.record(), nbytes))
+
+    def _send_loop(self) -> None:
+        if self.transfer.is_cuda:
+            torch.cuda.set_device(self.transfer.device)
+        while (item := self._queue.get()) is not None:
+            ready, plan, event, nbytes = item
+            try:
+                if self._error is None:
+                    self._send(ready, plan, event)
+            except BaseException as err:
+                self._error = err
+            finally:
+                del ready, item  # the device gradients may be freed (their copies are ordered by record_stream)
+                with self._room:
+                    self._queued_bytes -= nbytes
+                    self._room.notify_all()
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _send(self, ready: list[tuple[Unit, nn.Parameter, list[Contribution]]], plan: StepPlan | None, event) -> None:
         tr = self.transfer
         if plan is None and not self.retain:
             raise RuntimeError(
@@ -132,7 +187,6 @@ class GradRouter:
                 if owner.update_done is not None:
                     owner.update_done.result()  # the previous update no longer reads the retained buffers
         streamed = plan is not None and not self.retain
-        event = tr.record()
         with tr.on_download_stream(event):
             if streamed:
                 for owner in owners:
@@ -141,7 +195,7 @@ class GradRouter:
             for owner, param, contributions in ready:
                 self._send_param(owner, param, contributions, plan if streamed else None)
                 for c in contributions:
-                    for t in (c.index, c.values) if isinstance(c, Rows) else (c,):
+                    for t in _tensors(c):
                         tr.keep_alive(t)
         for _, param, _ in ready:
             self.pending.add(param)
@@ -289,6 +343,10 @@ class GradRouter:
             self.optimizer.update(ps, [grads[i] for i in idx], plan.hypers[g], grad_scale=plan.grad_scale)
             for p in ps:
                 self.optimizer.end(p)
+
+
+def _tensors(c: Contribution) -> tuple[Tensor, ...]:
+    return (c.index, c.values) if isinstance(c, Rows) else (c,)
 
 
 def _rows(t: Tensor, cut: slice | None) -> Tensor:

@@ -67,7 +67,9 @@ class Transfer:
         """An event at the current point of ``stream`` (default: the current stream); ``None`` on the CPU."""
         if not self.is_cuda:
             return None
-        event = torch.cuda.Event()
+        # NOTE: blocking: a thread that synchronizes on it sleeps instead of spinning on the driver, which would
+        # take a core from the CPU optimizer and contend with the thread launching GPU work.
+        event = torch.cuda.Event(blocking=True)
         event.record(stream or torch.cuda.current_stream(self.device))
         return event
 
