@@ -98,3 +98,34 @@ def test_bad_optimizer_fails_before_pinning():
         trainer.fit(model, DataLoader(TensorDataset(token_data()), batch_size=4))
     assert not any(p.is_pinned() for p in model.parameters())
     assert all(b.device.type == "cpu" for b in model.buffers())
+
+
+def test_bf16_mixed_is_the_default_on_cuda():
+    import lightning as L
+
+    strategy = L.Trainer(strategy="slideformer", accelerator="gpu", devices=1, logger=False).strategy
+    assert strategy.precision_plugin.precision == "bf16-mixed"
+    assert strategy.root_device.type == "cuda"
+    explicit = L.Trainer(strategy="slideformer", accelerator="gpu", precision="32-true", logger=False).strategy
+    assert explicit.precision_plugin.precision == "32-true"
+
+
+def test_window_that_does_not_fit_names_the_setting(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 30))  # 1 MiB free
+    with pytest.raises(torch.OutOfMemoryError, match=r"num_slots=\.\.\.\) \(minimum 2\)"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)
+
+
+def test_pinning_failure_is_a_clear_error(monkeypatch):
+    from lightning_slide import PinnedMemoryError
+
+    real_empty = torch.empty
+
+    def no_pinning(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (simulated)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", no_pinning)
+    with pytest.raises(PinnedMemoryError, match="ulimit -l"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)
