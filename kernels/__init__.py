@@ -5,10 +5,18 @@ transformers imports a folder named ``kernels`` while building models, and would
 version for Hugging Face's package of that name.
 """
 
+from .attention import FlashAttention, flash_attention, flash_attention_ref
 from .linear_cross_entropy import (
     FusedLinearCrossEntropy,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_ref,
 )
 
-__all__ = ["FusedLinearCrossEntropy", "fused_linear_cross_entropy", "fused_linear_cross_entropy_ref"]
+__all__ = [
+    "FlashAttention",
+    "FusedLinearCrossEntropy",
+    "flash_attention",
+    "flash_attention_ref",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_ref",
+]

@@ -1,0 +1,450 @@
+"""Flash attention for training (FlashAttention-2 algorithm, written for Triton): causal or not, grouped-query
+(GQA/MQA), sliding window, and packed variable-length sequences, with forward and backward.
+
+Every call runs the variable-length kernels: a dense batch (B, S, H, D) is the packed layout (B*S, H, D) with
+sequence boundaries every S tokens, so the dense and packed cases share one code path.
+
+    forward, per (query block, sequence, query head):
+        s = q k^T * scale;  online softmax over key blocks: m = running max, l = running sum of exp(s - m)
+        o = sum_j softmax(s)_j v_j;  lse = m + log(l)   (kept for backward)
+    backward: delta = rowsum(dO * O);  p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p (dp - delta)
+              dq = ds k * scale (per query block);  dk = ds^T q * scale (per key block, summed over the group's
+              query heads in one program, so GQA needs no atomics)
+
+Masks: key j is visible to query i (positions within one sequence) iff j < len, and with ``causal`` j <= i, and
+with ``window`` W also i - W < j (Hugging Face's sliding-window convention). Nothing crosses sequences.
+
+Layering (as Liger-Kernel's): kernels -> ``flash_attention_forward`` / ``flash_attention_backward`` ->
+``FlashAttentionFunction`` -> ``FlashAttention`` (module) -> ``flash_attention``; ``flash_attention_ref`` is the
+readable reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# NOTE: verified under the interpreter; switched on for CUDA once the GPU tests and benchmark have run there.
+TRITON_ON_CUDA = False
+HEAD_DIMS = (16, 32, 64, 128, 256)
+_LOG2E = 1.4426950408889634
+
+
+def _configs(block_m: int = 64, block_n: int = 64) -> list[triton.Config]:
+    # NOTE: one config when interpreting: multi-config autotuning fails under TRITON_INTERPRET=1.
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3))
+    ]
+
+
+@triton.jit
+def _visible(offs_m, offs_n, seqlen, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    # (BLOCK_M, BLOCK_N) mask of the keys each query may attend to
+    ok = (offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen)
+    if CAUSAL:
+        ok = ok & (offs_m[:, None] >= offs_n[None, :])
+    if HAS_WINDOW:
+        ok = ok & (offs_m[:, None] - offs_n[None, :] < window)
+    return ok
+
+
+@triton.jit
+def _key_range(m_start, seqlen, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):  # fmt: skip
+    # key blocks that can hold a visible key for queries m_start .. m_start + BLOCK_M - 1
+    lo = 0
+    hi = seqlen
+    if CAUSAL:
+        hi = tl.minimum(seqlen, m_start + BLOCK_M)
+    if HAS_WINDOW:
+        lo = tl.maximum(0, m_start - window + 1) // BLOCK_N * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _query_range(n_start, seqlen, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):  # fmt: skip
+    # query blocks that can see a key of n_start .. n_start + BLOCK_N - 1
+    lo = 0
+    hi = seqlen
+    if CAUSAL:
+        lo = n_start // BLOCK_M * BLOCK_M
+    if HAS_WINDOW:
+        hi = tl.minimum(seqlen, n_start + BLOCK_N + window - 1)
+    return lo, hi
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, LSE, cu_seqlens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
+    qk_scale, window,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # q/o: (T, Hq, D), k/v: (T, Hkv, D), lse: (Hq, T) in the log2 domain; one program per (query block,
+    # sequence, query head)
+    seq, head = tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    seqlen = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    m_start = tl.program_id(0) * BLOCK_M
+    if m_start >= seqlen:
+        return
+    kv_head = head // GROUP
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=offs_m[:, None] < seqlen, other=0.0)  # fmt: skip
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    lo, hi = _key_range(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    for n_start in range(lo, hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        kt = tl.load(K + (start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+                     mask=offs_n[None, :] < seqlen, other=0.0)  # fmt: skip
+        s = tl.dot(q, kt) * qk_scale
+        s = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=offs_n[:, None] < seqlen, other=0.0)  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    row_ok = offs_m < seqlen
+    l_i = tl.where(row_ok, l_i, 1.0)  # rows past the sequence end (not stored) stay finite
+    acc = acc / l_i[:, None]
+    tl.store(Out + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             acc.to(Out.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+    tl.store(LSE + head * stride_lh + start + offs_m, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    qk_scale, sm_scale, window,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one program per (key block, sequence, kv head); loops over the group's query heads and query blocks
+    seq, kv_head = tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    seqlen = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    n_start = tl.program_id(0) * BLOCK_N
+    if n_start >= seqlen:
+        return
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < seqlen
+    k = tl.load(K + (start + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=key_ok,
+                other=0.0)  # fmt: skip
+    v = tl.load(V + (start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=key_ok,
+                other=0.0)  # fmt: skip
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    lo, hi = _query_range(n_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        for m_start in range(lo, hi, BLOCK_M):
+            offs_m = m_start + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < seqlen
+            q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)  # fmt: skip
+            do = tl.load(DO + (start + offs_m)[:, None] * stride_dot + head * stride_doh + offs_d[None, :],
+                         mask=row_ok[:, None], other=0.0)  # fmt: skip
+            lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            visible = _visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW)
+            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(DK + (start + offs_n)[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)  # fmt: skip
+    tl.store(DV + (start + offs_n)[:, None] * stride_dvt + kv_head * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
+
+
+@triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
+    stride_dqt, stride_dqh,
+    qk_scale, sm_scale, window,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one program per (query block, sequence, query head)
+    seq, head = tl.program_id(1), tl.program_id(2)
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    seqlen = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    m_start = tl.program_id(0) * BLOCK_M
+    if m_start >= seqlen:
+        return
+    kv_head = head // GROUP
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seqlen
+    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # fmt: skip
+    do = tl.load(DO + (start + offs_m)[:, None] * stride_dot + head * stride_doh + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)  # fmt: skip
+    lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    lo, hi = _key_range(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    for n_start in range(lo, hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        key_ok = offs_n[:, None] < seqlen
+        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=key_ok, other=0.0)  # fmt: skip
+        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=key_ok, other=0.0)  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = _visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW)
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(DQ + (start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    causal: bool = True
+    softmax_scale: float = 1.0
+    window: int | None = None
+    max_seqlen: int = 0
+
+
+def _grid(blocks_over: int, cu_seqlens: Tensor, heads: int, block: str):
+    return lambda meta: (triton.cdiv(blocks_over, meta[block]), cu_seqlens.numel() - 1, heads)
+
+
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, opts: AttentionOptions):
+    """q: (T, Hq, D), k/v: (T, Hkv, D), cu_seqlens: (B+1,) int32. Returns o (T, Hq, D) and lse (Hq, T) (log2)."""
+    if not (_INTERPRET or (q.is_cuda and TRITON_ON_CUDA)):
+        return _forward_torch(q, k, v, cu_seqlens, opts)
+    t, hq, d = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty(hq, t, dtype=torch.float32, device=q.device)
+    _fwd_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M")](
+        q, k, v, o, lse, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        lse.stride(0), opts.softmax_scale * _LOG2E, opts.window or 0,
+        GROUP=hq // k.shape[1], CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d,
+    )  # fmt: skip
+    return o, lse
+
+
+def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOptions):
+    """Gradients (dq, dk, dv) of the forward above, in the inputs' dtype."""
+    if not (_INTERPRET or (q.is_cuda and TRITON_ON_CUDA)):
+        return _backward_torch(q, k, v, do, cu_seqlens, opts)
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    delta = (do.float() * o.float()).sum(-1).t().contiguous()  # (Hq, T)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = dict(GROUP=hq // hkv, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+               do.stride(1), lse.stride(0))  # fmt: skip
+    scales = (opts.softmax_scale * _LOG2E, opts.softmax_scale, opts.window or 0)
+    _bwd_dkdv_kernel[_grid(opts.max_seqlen, cu_seqlens, hkv, "BLOCK_N")](
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
+        dv.stride(1), *scales, **common,
+    )  # fmt: skip
+    _bwd_dq_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M")](
+        q, k, v, do, lse, delta, dq, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scales, **common
+    )
+    return dq, dk, dv
+
+
+def _forward_torch(q, k, v, cu_seqlens, opts: AttentionOptions):
+    # The CPU path without the interpreter: per sequence, torch's scaled_dot_product_attention.
+    o = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for s0, s1 in zip(bounds, bounds[1:]):
+        o[s0:s1] = _sdpa(q[s0:s1], k[s0:s1], v[s0:s1], opts)
+    return o, None
+
+
+def _backward_torch(q, k, v, do, cu_seqlens, opts: AttentionOptions):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        bounds = cu_seqlens.tolist()
+        out = torch.cat([_sdpa(*(t[s0:s1] for t in leaves), opts) for s0, s1 in zip(bounds, bounds[1:])])
+        return torch.autograd.grad(out, leaves, do)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, opts: AttentionOptions) -> Tensor:
+    # one sequence: (S, H, D) -> (S, Hq, D)
+    n = q.shape[0]
+    mask = _mask(n, opts, q.device)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=opts.softmax_scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return out.transpose(0, 1)
+
+
+def _mask(n: int, opts: AttentionOptions, device: torch.device) -> Tensor | None:
+    if not opts.causal:
+        return None
+    i = torch.arange(n, device=device)
+    visible = i[:, None] >= i[None, :]
+    if opts.window is not None:
+        visible &= i[:, None] - i[None, :] < opts.window
+    return visible
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, opts: AttentionOptions):
+        o, lse = flash_attention_forward(q, k, v, cu_seqlens, opts)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+        ctx.opts = opts
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do.contiguous(), cu_seqlens, ctx.opts)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window: int | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> Tensor:
+    """Attention ``softmax(q k^T * scale + mask) v``, memory-efficient, with gradients for q, k and v.
+
+    Args:
+        q: dense (B, S, Hq, D), or packed (T, Hq, D) with ``cu_seqlens``.
+        k: dense (B, S, Hkv, D) or packed (T, Hkv, D); Hq must be a multiple of Hkv (GQA, MQA).
+        v: shaped like ``k``.
+        causal: query i sees keys j <= i (within its sequence).
+        softmax_scale: defaults to 1 / sqrt(D).
+        window: sliding window W (with ``causal``): query i sees keys j with i - W < j <= i.
+        cu_seqlens: packed layout: (B+1,) int32 offsets of the sequences in T, from 0, non-decreasing.
+        max_seqlen: packed layout: the longest sequence (computed from ``cu_seqlens`` when not given).
+
+    Returns:
+        the attention output, shaped like ``q``.
+    """
+    packed = cu_seqlens is not None
+    _check(q, k, v, packed, cu_seqlens, causal, window)
+    if packed:
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        flat = (q, k, v)
+    else:
+        b, s = q.shape[:2]
+        flat = tuple(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
+        cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        max_seqlen = s
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    opts = AttentionOptions(causal, float(scale), window, int(max_seqlen))
+    out = FlashAttentionFunction.apply(*(t.contiguous() for t in flat), cu_seqlens.contiguous(), opts)
+    return out if packed else out.view(q.shape)
+
+
+class FlashAttention(torch.nn.Module):
+    """Module form of :func:`flash_attention`; ``forward(q, k, v, cu_seqlens=None, max_seqlen=None)``."""
+
+    def __init__(self, *, causal: bool = True, softmax_scale: float | None = None, window: int | None = None):
+        super().__init__()
+        self.causal, self.softmax_scale, self.window = causal, softmax_scale, window
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        return flash_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, window=self.window,
+                               cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)  # fmt: skip
+
+
+def flash_attention_ref(q, k, v, *, causal=True, softmax_scale=None, window=None, cu_seqlens=None) -> Tensor:
+    """The readable reference: per sequence, explicit scores, mask, softmax and weighted sum."""
+    if cu_seqlens is None:
+        return torch.stack([flash_attention_ref(qb, kb, vb, causal=causal, softmax_scale=softmax_scale,
+                                                window=window, cu_seqlens=torch.tensor([0, q.shape[1]]))
+                            for qb, kb, vb in zip(q, k, v)])  # fmt: skip
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for s0, s1 in zip(bounds, bounds[1:]):
+        qs, ks, vs = q[s0:s1], k[s0:s1].repeat_interleave(group, 1), v[s0:s1].repeat_interleave(group, 1)
+        scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale
+        mask = _mask(s1 - s0, AttentionOptions(causal, scale, window), q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("hij,jhd->ihd", scores.softmax(-1), vs))
+    return torch.cat(outs)
+
+
+def _check(q, k, v, packed, cu_seqlens, causal, window) -> None:
+    dims = 3 if packed else 4
+    layout = "(T, H, D) with cu_seqlens" if packed else "(B, S, H, D)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != dims:
+            raise ValueError(f"{name} must be {layout}; got shape {tuple(t.shape)}.")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in all but the head count.")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"the query heads ({q.shape[-2]}) must be a multiple of the key/value heads ({k.shape[-2]}).")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[-1]} is not supported; supported: {HEAD_DIMS}.")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one of bf16, fp16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError("q, k and v must be on one device.")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"window must be a positive int and needs causal=True; got window={window}, causal={causal}.")
+    if packed:
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be (B+1,) int32; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
+        _check_offsets(cu_seqlens, q.shape[0])
+
+
+_checked: tuple | None = None  # the last cu_seqlens found valid (one check per step, not per layer)
+
+
+def _check_offsets(cu_seqlens: Tensor, total: int) -> None:
+    global _checked
+    key = (cu_seqlens.data_ptr(), cu_seqlens._version, cu_seqlens.numel(), total)
+    if key == _checked:
+        return
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at the token count {total}; got {values[:8]}"
+            f"{'...' if len(values) > 8 else ''}."
+        )
+    _checked = key

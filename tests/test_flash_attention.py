@@ -1,0 +1,121 @@
+"""The flash attention kernels against an fp64 reference: Triton (interpreter on the CPU, fp32) and the torch path,
+dense and packed, GQA, causal, non-causal and sliding window, forward and all three gradients; bad input."""
+
+import lightning_slide.kernels.attention as fa
+import pytest
+import torch
+from lightning_slide.kernels import FlashAttention, flash_attention, flash_attention_ref
+
+CU = torch.tensor([0, 5, 20, 37], dtype=torch.int32)
+
+
+@pytest.fixture(params=["triton", "torch"])
+def path(request, monkeypatch):
+    if request.param == "triton" and not fa._INTERPRET:
+        pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
+    if request.param == "torch":
+        monkeypatch.setattr(fa, "_INTERPRET", False)
+    return request.param
+
+
+def _qkv(packed: bool, d: int, hq: int = 4, hkv: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lead = (37,) if packed else (2, 37)
+    return [torch.randn(*lead, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv)]
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize(
+    ("causal", "window"), [(True, None), (False, None), (True, 7)], ids=["causal", "full", "window"]
+)
+@pytest.mark.parametrize(("d", "hkv"), [(16, 2), (32, 1)], ids=["d16-gqa", "d32-mqa"])
+def test_matches_fp64_reference(path, packed, causal, window, d, hkv):
+    q, k, v = (t.requires_grad_() for t in _qkv(packed, d, hkv=hkv))
+    cu = CU if packed else None
+    ref = flash_attention_ref(q, k, v, causal=causal, window=window, cu_seqlens=cu)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=causal, window=window, cu_seqlens=cu)
+    assert out.shape == q.shape
+    assert _rel(out, ref) < 1e-5
+    grad = torch.randn_like(ref)
+    ours = torch.autograd.grad(out, leaves, grad.float())
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    for name, a, b in zip("qkv", ours, expected):
+        assert _rel(a, b) < 1e-5, f"d{name}"
+
+
+def test_nothing_crosses_sequences(path):
+    q, k, v = (t.float() for t in _qkv(True, 16))
+    out = flash_attention(q, k, v, cu_seqlens=CU)
+    alone = flash_attention(q[5:20], k[5:20], v[5:20], cu_seqlens=torch.tensor([0, 15], dtype=torch.int32))
+    torch.testing.assert_close(out[5:20], alone)
+
+
+def test_module_form_and_scale(path):
+    q, k, v = (t.float() for t in _qkv(False, 32))
+    out = FlashAttention(causal=False, softmax_scale=0.3)(q, k, v)
+    ref = flash_attention_ref(q.double(), k.double(), v.double(), causal=False, softmax_scale=0.3)
+    assert _rel(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"q": torch.randn(37, 4, 16)}, r"q must be \(B, S, H, D\)"),
+        ({"k": torch.randn(2, 37, 3, 16), "v": torch.randn(2, 37, 3, 16)}, "multiple of the key/value heads"),
+        ({"v": torch.randn(2, 37, 2, 32)}, "same shape"),
+        ({"q": torch.randn(2, 37, 4, 24), "k": torch.randn(2, 37, 2, 24), "v": torch.randn(2, 37, 2, 24)},
+         "head dim 24"),
+        ({"q": torch.randn(2, 37, 4, 16).double(), "k": torch.randn(2, 37, 2, 16).double(),
+          "v": torch.randn(2, 37, 2, 16).double()}, "share one of"),
+        ({"window": 4, "causal": False}, "needs causal=True"),
+    ],
+)  # fmt: skip
+def test_bad_input_names_the_argument(change, match):
+    q, k, v = (t.float() for t in _qkv(False, 16))
+    kwargs = {"q": q, "k": k, "v": v, **change}
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_attention(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("cu", "match"),
+    [
+        (torch.tensor([0, 20, 5, 37], dtype=torch.int32), "never decrease"),
+        (torch.tensor([0, 5, 36], dtype=torch.int32), "end at the token count 37"),
+        (torch.tensor([0, 5, 37]), "int32"),
+    ],
+)
+def test_bad_cu_seqlens(cu, match):
+    q, k, v = (t.float() for t in _qkv(True, 16))
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, v, cu_seqlens=cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_bf16_error_within_twice_sdpa(monkeypatch, packed, d):
+    monkeypatch.setattr(fa, "TRITON_ON_CUDA", True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, s, hq, hkv = 2, 1024, 8, 2
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, 100, 700, 1024, 1500, 2048], dtype=torch.int32, device="cuda") if packed else None
+    if packed:
+        q, k, v = (t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
+    grad = torch.randn_like(q)
+
+    def run(fn, *tensors):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        out = fn(*leaves)
+        return (out.detach().float(), *(x.float() for x in torch.autograd.grad(out, leaves, grad.to(out.dtype))))
+
+    ref = run(lambda *t: flash_attention_ref(*t, cu_seqlens=cu), q, k, v)
+    plain = run(lambda *t: flash_attention_ref(*t, cu_seqlens=cu), *(t.bfloat16() for t in (q, k, v)))
+    ours = run(lambda *t: flash_attention(*t, cu_seqlens=cu), *(t.bfloat16() for t in (q, k, v)))
+    for name, p, o, r in zip(("out", "dq", "dk", "dv"), plain, ours, ref):
+        assert _rel(o, r) <= 2 * _rel(p, r), name
