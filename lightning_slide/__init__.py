@@ -5,6 +5,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .attention import register as _register_attention
 from .engine import NonFiniteGradientError, PinnedMemoryError
 from .kernels import fused_linear_cross_entropy
 from .loss import causal_lm_loss
@@ -12,6 +13,7 @@ from .precision import SlideFormerPrecision
 from .strategy import SlideFormerStrategy
 
 SlideFormerStrategy.register_strategies(StrategyRegistry)
+_register_attention()  # attn_implementation="slide" for transformers models
 
 __version__ = "0.1.0"
 __all__ = [

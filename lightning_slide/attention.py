@@ -1,0 +1,94 @@
+"""``attn_implementation="slide"``: the project's flash attention kernel behind transformers' attention interface.
+
+Registered on ``import lightning_slide`` with transformers' ``AttentionInterface`` and, for the mask,
+``AttentionMaskInterface`` (without a registered mask function the model passes no mask and causality would be
+dropped). Like Hugging Face's flash-attention path, the mask is ``None`` or the 2D padding mask; packed batches —
+``cu_seq_lens_q``/``max_length_q`` kwargs (``DataCollatorWithFlattening``) or position ids that restart — run the
+variable-length kernel, so nothing attends across documents and no (S x S) mask is built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .kernels import flash_attention
+
+NAME = "slide"
+
+
+def slide_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: query (B, Hq, S, D), key/value (B, Hkv, S, D); returns the output
+    as (B, S, Hq, D) and no attention weights."""
+    if dropout and module.training:
+        raise ValueError(f"attn_implementation='slide' has no attention dropout; got dropout={dropout}.")
+    if softcap is not None:
+        raise ValueError("attn_implementation='slide' does not implement attention logit soft-capping.")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    options = dict(causal=causal, softmax_scale=scaling, window=sliding_window)
+    batch, length = q.shape[:2]
+    if kwargs.get("cu_seq_lens_q") is not None:
+        cu = kwargs["cu_seq_lens_q"].to(torch.int32)
+        out = flash_attention(*_flat(q, k, v), cu_seqlens=cu, max_seqlen=int(kwargs["max_length_q"]), **options)
+        return out.view(batch, length, *out.shape[1:]), None
+    if attention_mask is not None:
+        return _padded(q, k, v, attention_mask, options), None
+    cu = _restarts(kwargs.get("position_ids"), batch)
+    if cu is not None:
+        out = flash_attention(*_flat(q, k, v), cu_seqlens=cu, **options)
+        return out.view(batch, length, *out.shape[1:]), None
+    return flash_attention(q, k, v, **options), None
+
+
+def _flat(*tensors: Tensor) -> list[Tensor]:
+    return [t.reshape(-1, *t.shape[2:]) for t in tensors]
+
+
+def _padded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options: dict) -> Tensor:
+    # mask: (B, S) bool, True for real tokens (each row's tokens contiguous, left or right padded)
+    batch, length = q.shape[:2]
+    keep = mask.reshape(-1).nonzero().squeeze(1)
+    lengths = mask.sum(1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    q_, k_, v_ = (t[keep] for t in _flat(q, k, v))
+    out = flash_attention(q_, k_, v_, cu_seqlens=cu, max_seqlen=int(lengths.max()), **options)
+    full = out.new_zeros(batch * length, *out.shape[1:])
+    full[keep] = out
+    return full.view(batch, length, *out.shape[1:])
+
+
+def _restarts(position_ids: Tensor | None, batch: int) -> Tensor | None:
+    """cu_seqlens of packed documents when the (1, T) position ids restart; None for one ordinary sequence."""
+    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+        return None
+    ids = position_ids.reshape(-1)
+    starts = (ids == ids.min()).nonzero().squeeze(1)
+    if starts.numel() == 1:
+        return None
+    total = torch.tensor([ids.numel()], device=ids.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
+def register() -> None:
+    """Make ``attn_implementation="slide"`` available to transformers models (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, slide_attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)

@@ -1,0 +1,74 @@
+"""attn_implementation="slide" in real transformers models matches SDPA: dense, packed, padded."""
+
+import pytest
+import torch
+from helpers import VOCAB, tiny_config
+from transformers import AutoModelForCausalLM
+
+import lightning_slide  # noqa: F401  (registers "slide")
+
+
+def _pair(family):
+    def config():  # one each: from_config records the attention implementation on the config object
+        return tiny_config(family, hidden_size=64, intermediate_size=128, head_dim=16)  # the kernel's head dims
+
+    torch.manual_seed(0)
+    sdpa = AutoModelForCausalLM.from_config(config(), attn_implementation="sdpa")
+    slide = AutoModelForCausalLM.from_config(config(), attn_implementation="slide")
+    slide.load_state_dict(sdpa.state_dict())
+    assert (sdpa.config._attn_implementation, slide.config._attn_implementation) == ("sdpa", "slide")
+    return sdpa, slide
+
+
+def _loss_and_grads(model, **inputs):
+    model.zero_grad()
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a, b, tol=1e-5):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    torch.testing.assert_close(loss_a, loss_b, rtol=tol, atol=tol)
+    for name in grads_a:
+        err = ((grads_a[name] - grads_b[name]).norm() / grads_b[name].norm().clamp_min(1e-12)).item()
+        assert err < tol, f"{name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_dense_matches_sdpa(family):
+    sdpa, slide = _pair(family)
+    ids = torch.randint(0, VOCAB, (2, 23))
+    _assert_same(_loss_and_grads(slide, input_ids=ids, labels=ids), _loss_and_grads(sdpa, input_ids=ids, labels=ids))
+
+
+def test_packed_documents_via_position_ids_match_sdpa():
+    sdpa, slide = _pair("llama")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    position_ids = torch.cat([torch.arange(n) for n in (7, 15, 8)]).unsqueeze(0)
+    # use_cache=False: with a cache, Hugging Face's SDPA path does not detect packing (masking_utils)
+    inputs = dict(input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False)
+    _assert_same(_loss_and_grads(slide, **inputs), _loss_and_grads(sdpa, **inputs))
+
+
+def test_flattening_collator_kwargs_match_position_ids():
+    _, slide = _pair("llama")
+    ids = torch.randint(0, VOCAB, (1, 30))
+    position_ids = torch.cat([torch.arange(n) for n in (7, 15, 8)]).unsqueeze(0)
+    cu = torch.tensor([0, 7, 22, 30], dtype=torch.int32)
+    by_kwargs = _loss_and_grads(
+        slide, input_ids=ids, labels=ids, position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+        max_length_q=15, max_length_k=15,
+    )  # fmt: skip
+    _assert_same(by_kwargs, _loss_and_grads(slide, input_ids=ids, labels=ids, position_ids=position_ids))
+
+
+def test_right_padding_matches_sdpa():
+    sdpa, slide = _pair("qwen3")
+    ids = torch.randint(0, VOCAB, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    mask[2, 5:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    _assert_same(_loss_and_grads(slide, **inputs), _loss_and_grads(sdpa, **inputs))
