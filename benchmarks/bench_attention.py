@@ -1,0 +1,130 @@
+"""Attention benchmark (GPU machine): our Triton flash attention against SDPA (flash and cuDNN backends, forced one
+at a time) and FlexAttention, causal, bf16, B=2, Hq=32, Hkv=8, D=128, in one run; plus a packed batch of 16
+documents of random lengths (16k tokens) against the dense kernel at the same total length and against the
+explicit-mask SDPA that Hugging Face falls back to for packed sequences.
+
+TFLOP/s use 4*B*Hq*N^2*D, halved for causal, x3.5 for fwd+bwd; for packed batches only within-document work counts.
+Appends CSV rows to --out.
+
+    python benchmarks/bench_attention.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+
+import lightning_slide.kernels.attention as attention
+import torch
+import torch.nn.functional as F
+import triton
+from lightning_slide.kernels import flash_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+B, HQ, HKV, D = 2, 32, 8, 128
+
+
+def timed(fn, backward: bool) -> float:
+    if not backward:
+        return do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+    def step():
+        out = fn()
+        out.backward(torch.ones_like(out))
+
+    return do_bench(step, warmup=50, rep=300, return_mode="median")
+
+
+def dense_systems(q, k, v):
+    # q: (B, S, Hq, D); SDPA and Flex take (B, H, S, D)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+        return run
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n = q.shape[1]
+    block_mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, n, n, device=q.device)
+    flex = torch.compile(flex_attention)
+    return {
+        "ours": lambda: flash_attention(q, k, v, causal=True),
+        "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "flex": lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True),
+    }
+
+
+def packed_systems(q, k, v, cu, max_len):
+    # q: (T, Hq, D) packed; the fallback is one (1, H, T, D) SDPA call with a block-diagonal causal mask
+    doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), (cu[1:] - cu[:-1]).long())
+    pos = torch.arange(q.shape[0], device=q.device)
+    mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return {
+        "ours_packed": lambda: flash_attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len),
+        "ours_dense_same_length": lambda: flash_attention(q[None], k[None], v[None], causal=True),
+        "sdpa_explicit_mask": lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", default="2048,8192")
+    parser.add_argument("--packed-tokens", type=int, default=16384)
+    parser.add_argument("--out", default="benchmarks/results/attention.csv")
+    args = parser.parse_args()
+    attention.TRITON_ON_CUDA = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def make(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
+    rows = []
+
+    def record(case, name, fn, flops):
+        for backward in (False, True):
+            try:
+                ms = timed(fn, backward)
+                tflops = flops * (3.5 if backward else 1.0) / (ms * 1e-3) / 1e12
+                note = ""
+            except Exception as err:  # keep the others; say what failed
+                ms, tflops, note = float("nan"), float("nan"), f"FAILED: {type(err).__name__}: {str(err)[:200]}"
+            rows.append({"case": case, "system": name, "pass": "fwd+bwd" if backward else "fwd", "ms": ms,
+                         "tflops": tflops, "note": note})  # fmt: skip
+            print(rows[-1], flush=True)
+
+    for n in (int(x) for x in args.lengths.split(",")):
+        q, k, v = make(B, n, HQ, D), make(B, n, HKV, D), make(B, n, HKV, D)
+        flops = 4 * B * HQ * n * n * D / 2
+        for name, fn in dense_systems(q, k, v).items():
+            record(f"dense_causal_N{n}", name, fn, flops)
+    total = args.packed_tokens
+    cuts = torch.sort(torch.randperm(total - 1, generator=torch.Generator().manual_seed(0))[:15] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32).cuda()
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    q, k, v = make(total, HQ, D), make(total, HKV, D), make(total, HKV, D)
+    useful = sum(4 * HQ * n * n * D / 2 for n in lengths)  # within-document work only
+    whole = 4 * HQ * total * total * D / 2  # the dense kernel's own causal work over the whole length
+    for name, fn in packed_systems(q, k, v, cu, max(lengths)).items():
+        record(f"packed_16docs_T{total}", name, fn, whole if name == "ours_dense_same_length" else useful)
+    common = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+              "torch": torch.__version__, "triton": triton.__version__,
+              "B": B, "Hq": HQ, "Hkv": HKV, "D": D}  # fmt: skip
+    new = not os.path.exists(args.out)
+    with open(args.out, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
+        if new:
+            writer.writeheader()
+        writer.writerows({**common, **r} for r in rows)
+
+
+if __name__ == "__main__":
+    main()
