@@ -12,17 +12,15 @@ Appends CSV rows to --out.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import os
 
-import lightning_slide.kernels.attention as attention
 import torch
 import torch.nn.functional as F
-import triton
-from lightning_slide.kernels import flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
+
+import lightning_slide.kernels.attention as attention
+from lightning_slide.kernels import flash_attention
+from results_csv import append_row, environment
 
 B, HQ, HKV, D = 2, 32, 8, 128
 
@@ -87,7 +85,7 @@ def main() -> None:
     def make(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
 
-    rows = []
+    common = {**environment(), "B": B, "Hq": HQ, "Hkv": HKV, "D": D}
 
     def record(case, name, fn, flops):
         for backward in (False, True):
@@ -97,9 +95,8 @@ def main() -> None:
                 note = ""
             except Exception as err:  # keep the others; say what failed
                 ms, tflops, note = float("nan"), float("nan"), f"FAILED: {type(err).__name__}: {str(err)[:200]}"
-            rows.append({"case": case, "system": name, "pass": "fwd+bwd" if backward else "fwd", "ms": ms,
-                         "tflops": tflops, "note": note})  # fmt: skip
-            print(rows[-1], flush=True)
+            append_row(args.out, {**common, "case": case, "system": name, "pass": "fwd+bwd" if backward else "fwd",
+                                  "ms": ms, "tflops": tflops, "note": note})  # fmt: skip
 
     for n in (int(x) for x in args.lengths.split(",")):
         q, k, v = make(B, n, HQ, D), make(B, n, HKV, D), make(B, n, HKV, D)
@@ -115,15 +112,6 @@ def main() -> None:
     whole = 4 * HQ * total * total * D / 2  # the dense kernel's own causal work over the whole length
     for name, fn in packed_systems(q, k, v, cu, max(lengths)).items():
         record(f"packed_16docs_T{total}", name, fn, whole if name == "ours_dense_same_length" else useful)
-    common = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "triton": triton.__version__,
-              "B": B, "Hq": HQ, "Hkv": HKV, "D": D}  # fmt: skip
-    new = not os.path.exists(args.out)
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
-        if new:
-            writer.writeheader()
-        writer.writerows({**common, **r} for r in rows)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,14 @@ worker busy, the training thread's waits, bytes moved). Appends CSV rows to --ou
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import gc
 import os
 import statistics
 import time
 
 import torch
+
+from results_csv import append_row, environment
 
 GIB = 2**30
 
@@ -256,21 +256,12 @@ def main() -> None:
 
     import lightning
     import transformers
-    import triton
 
     n_params = param_count(args.layers)
     common = {
-        "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "triton": triton.__version__, "lightning": lightning.__version__, "transformers": transformers.__version__,
+        **environment(), "lightning": lightning.__version__, "transformers": transformers.__version__,
         "model": f"llama-{args.layers}x4096-v128256", "params": n_params, "seq": args.seq,
     }  # fmt: skip
-    fields = ["date", "gpu", "torch", "triton", "lightning", "transformers", "model", "params", "seq", "system",
-              "schedule", "tokens", "step_s", "tok_s", "gpu_alloc_gib", "gpu_reserved_gib", "host_peak_gib",
-              "host_b_per_param", "timeline"]  # fmt: skip
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    if not os.path.exists(args.out):
-        with open(args.out, "w", newline="") as f:
-            csv.DictWriter(f, fieldnames=fields).writeheader()
     rows = []
 
     def record(system: str, schedule: str, tokens: int, run, *run_args) -> None:
@@ -280,14 +271,12 @@ def main() -> None:
             torch.cuda.set_per_process_memory_fraction(1.0)
             result = {"step_s": float("nan"), "gpu_alloc_gib": float("nan"), "gpu_reserved_gib": float("nan"),
                       "host_peak": 0, "timeline": f"FAILED: {type(err).__name__}: {str(err)[:300]}"}  # fmt: skip
-        row = {"system": system, "schedule": schedule, "tokens": tokens, **result, **common}
+        row = {**common, "system": system, "schedule": schedule, "tokens": tokens, **result}
         row["tok_s"] = tokens / row["step_s"] if tokens and row["step_s"] == row["step_s"] else 0.0
         row["host_peak_gib"] = row["host_peak"] / GIB
         row["host_b_per_param"] = row.pop("host_peak") / n_params
         rows.append(row)
-        with open(args.out, "a", newline="") as f:  # row by row: a run cut short keeps what it measured
-            csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerow(row)
-        print(row, flush=True)
+        append_row(args.out, row)
 
     systems = args.systems.split(",")
     token_counts = [int(t) for t in args.tokens.split(",")]

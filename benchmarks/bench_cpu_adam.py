@@ -7,14 +7,14 @@ PCIe copies run in both directions, and whole tensors vs 8M-element chunks.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import os
 import statistics
 import threading
 import time
 
 import torch
+
+from results_csv import append_row, environment
 
 
 def adam_time(params, grads, threads: int, chunk: int | None, repeats: int = 3) -> float:
@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     n = int(args.params) // 4
     threads = max(1, os.cpu_count() - 1)
-    rows = []
+    common = {**environment(), "threads": threads, "params": 4 * n}
     for memory in ("pageable", "pinned"):
         params = [torch.randn(n, pin_memory=memory == "pinned") for _ in range(4)]
         grads = [torch.randn(n, pin_memory=memory == "pinned") * 1e-3 for _ in range(4)]
@@ -85,18 +85,10 @@ def main() -> None:
                     gbps = pcie.gbps
                 else:
                     t, gbps = adam_time(params, grads, threads, chunk), 0.0
-                rows.append({"memory": memory, "chunk": chunk or 0, "pcie_load_gbps": round(gbps, 1),
-                             "seconds": t, "gparams_per_s": 4 * n / t / 1e9})  # fmt: skip
-                print(rows[-1], flush=True)
+                append_row(args.out, {**common, "memory": memory, "chunk": chunk or 0,
+                                      "pcie_load_gbps": round(gbps, 1), "seconds": t,
+                                      "gparams_per_s": 4 * n / t / 1e9})  # fmt: skip
         del params, grads
-    common = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "threads": threads, "params": 4 * n}  # fmt: skip
-    new = not os.path.exists(args.out)
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
-        if new:
-            writer.writeheader()
-        writer.writerows({**common, **r} for r in rows)
 
 
 if __name__ == "__main__":

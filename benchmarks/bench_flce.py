@@ -11,16 +11,14 @@ reference. Appends CSV rows to --out.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import os
 
-import lightning_slide.kernels.linear_cross_entropy as flce
 import torch
 import torch.nn.functional as F
-import triton
-from lightning_slide.kernels import fused_linear_cross_entropy
 from triton.testing import do_bench
+
+import lightning_slide.kernels.linear_cross_entropy as flce
+from lightning_slide.kernels import fused_linear_cross_entropy
+from results_csv import append_row, environment
 
 GIB = 2**30
 
@@ -68,7 +66,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--out", default="benchmarks/results/flce.csv")
     args = parser.parse_args()
-    rows = []
+    common = {**environment(), "hidden": args.hidden, "vocab": args.vocab}
     todo = systems()
     for n in (int(x) for x in args.tokens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -88,19 +86,10 @@ def main() -> None:
                 ms = peak = err_dx = err_dw = float("nan")
                 note = f"FAILED: {type(err).__name__}: {str(err)[:200]}"
             tflops = 3 * 2 * n * args.hidden * args.vocab / (ms * 1e-3) / 1e12
-            rows.append({"system": name, "tokens": n, "ms": ms, "tflops_3mm": tflops, "peak_extra_gib": peak,
-                         "dx_rel_err": err_dx, "dw_rel_err": err_dw, "note": note})  # fmt: skip
-            print(rows[-1], flush=True)
+            append_row(args.out, {**common, "system": name, "tokens": n, "ms": ms, "tflops_3mm": tflops,
+                                  "peak_extra_gib": peak, "dx_rel_err": err_dx, "dw_rel_err": err_dw,
+                                  "note": note})  # fmt: skip
         del ref_grads
-    common = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
-              "torch": torch.__version__, "triton": triton.__version__, "hidden": args.hidden,
-              "vocab": args.vocab}  # fmt: skip
-    new = not os.path.exists(args.out)
-    with open(args.out, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*common, *rows[0]])
-        if new:
-            writer.writeheader()
-        writer.writerows({**common, **r} for r in rows)
 
 
 if __name__ == "__main__":

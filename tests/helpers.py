@@ -7,6 +7,7 @@ import copy
 import lightning as L
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_slide  # noqa: F401  (registers the strategy)
@@ -163,3 +164,19 @@ def max_rel_error(a: dict, b: dict) -> tuple[float, str]:
 
 def global_error(a: dict, b: dict) -> float:
     return sum(((a[k] - b[k]) ** 2).sum().item() for k in a) ** 0.5
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produced while active, in bytes (Triton's interpreter works on byte
+    views of storages, so bytes are comparable across both paths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_config
 from transformers import AutoModelForCausalLM
 
 import lightning_slide  # noqa: F401  (registers "slide")
+from helpers import VOCAB, tiny_config
 
 
 def _pair(family):

@@ -4,13 +4,12 @@ checkpoints."""
 import math
 
 import lightning as L
-import lightning_slide.kernels.linear_cross_entropy as flce
 import pytest
 import torch
-from helpers import SEQ, VOCAB, CausalLM, StackLM, fit, max_rel_error, tiny_config, token_data
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_slide.kernels.linear_cross_entropy as flce
+from helpers import SEQ, VOCAB, CausalLM, LargestTensor, StackLM, fit, max_rel_error, tiny_config, token_data
 from lightning_slide import NonFiniteGradientError, SlideFormerStrategy
 
 
@@ -35,22 +34,9 @@ def test_window_slots_are_preallocated_and_reused():
     assert min(per_step) > 5  # 5 blocks through 3 slots: blocks are re-sent every step
 
 
-class _WatchNumel(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 class _WatchSteps(L.Callback):
     def __init__(self):
-        self.mode = _WatchNumel()
+        self.mode = LargestTensor()
 
     def on_train_batch_start(self, *args):
         self.mode.__enter__()
@@ -65,7 +51,7 @@ def test_no_full_logits_in_a_training_step(monkeypatch, install_loss):
     watch = _WatchSteps()
     batch = 4
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(install_loss=install_loss), steps=2, callbacks=[watch])
-    full_logits = batch * SEQ * VOCAB
+    full_logits = 4 * batch * SEQ * VOCAB  # bytes, fp32
     if install_loss:
         assert 0 < watch.mode.largest < full_logits
     else:  # the watcher does see the logits when Hugging Face's own loss runs

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config
 
+from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy
 
 FP32_TOL = 1e-5

@@ -1,9 +1,10 @@
 """The flash attention kernels against an fp64 reference: Triton (interpreter on the CPU, fp32) and the torch path,
 dense and packed, GQA, causal, non-causal and sliding window, forward and all three gradients; bad input."""
 
-import lightning_slide.kernels.attention as fa
 import pytest
 import torch
+
+import lightning_slide.kernels.attention as fa
 from lightning_slide.kernels import FlashAttention, flash_attention, flash_attention_ref
 
 CU = torch.tensor([0, 5, 20, 37], dtype=torch.int32)

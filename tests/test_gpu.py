@@ -3,8 +3,8 @@ and errors raised before memory is pinned."""
 
 import pytest
 import torch
-from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
 
+from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
 from lightning_slide import SlideFormerStrategy
 
 pytestmark = pytest.mark.gpu

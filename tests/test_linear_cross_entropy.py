@@ -1,11 +1,12 @@
 """The fused linear cross-entropy against an fp64 full-logits reference: Triton kernels (interpreter on the CPU,
 fp32) and the chunked torch path, odd shapes, every option, and bad input."""
 
-import lightning_slide.kernels.linear_cross_entropy as flce
 import pytest
 import torch
+
+import lightning_slide.kernels.linear_cross_entropy as flce
+from helpers import LargestTensor
 from lightning_slide.kernels import FusedLinearCrossEntropy, fused_linear_cross_entropy, fused_linear_cross_entropy_ref
-from torch.utils._python_dispatch import TorchDispatchMode
 
 N, H, V = 37, 19, 1001
 
@@ -91,25 +92,10 @@ def test_int32_targets_and_module_form(path):
     assert _rel(loss, ref) < 1e-5
 
 
-class _Largest(TorchDispatchMode):
-    """The largest tensor any op produced, in bytes (the interpreter works on byte views of storages)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def test_never_builds_full_logits(path):
     hidden, weight, _, target = _inputs(bias=False)
     h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
-    with _Largest() as watch:
+    with LargestTensor() as watch:
         fused_linear_cross_entropy(h, w, target).backward()
     assert watch.largest <= 4 * max(N * 256, V * H)  # one chunk of fp32 logits, or the weight gradient itself
 

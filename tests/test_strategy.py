@@ -5,12 +5,12 @@ import importlib
 import lightning as L
 import pytest
 import torch
-from helpers import CausalLM, StackLM, fit, max_rel_error, tiny_config, token_data
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_slide
+from helpers import CausalLM, StackLM, fit, max_rel_error, tiny_config, token_data
 from lightning_slide import SlideFormerPrecision, SlideFormerStrategy
 
 
