@@ -48,7 +48,6 @@ class EngineStats:
     wait_update_s: float = 0.0  # waiting for a CPU update before a block could be sent
     wait_send_s: float = 0.0  # waiting for room to queue gradients (the CPU far behind)
     upload_bytes: int = 0
-    download_bytes: int = 0
     uploads: int = 0
 
 
@@ -282,7 +281,7 @@ class SlideEngine:
         buf.ready = self.transfer.upload(list(zip((p.data for p in unit.params), buf.views(unit))), after=buf.free)
         buf.tag = (unit, self._version(unit))
         self.stats.uploads += 1
-        self.stats.upload_bytes += sum(p.numel() * p.element_size() for p in unit.params)
+        self.stats.upload_bytes += unit.master_bytes
 
     def prefetch(self, unit: Unit) -> None:
         """Start sending ``unit``'s weights unless its buffer already holds them."""

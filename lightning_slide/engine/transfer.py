@@ -55,14 +55,6 @@ class Transfer:
                 " free RAM, or lower the memory the run needs (fewer window slots, a smaller landing pool)."
             ) from err
 
-    def pin(self, tensor: Tensor) -> Tensor:
-        """A pinned copy of ``tensor`` (the tensor itself on the CPU device)."""
-        if not self.is_cuda:
-            return tensor
-        out = self.host_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
-        out.copy_(tensor)
-        return out
-
     def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
         """An event at the current point of ``stream`` (default: the current stream); ``None`` on the CPU."""
         if not self.is_cuda:

@@ -45,6 +45,7 @@ class Unit:
                 self.entries.append((sub, attr, index[param]))
         self.dtypes = [compute_dtype if p.dim() >= 2 else torch.float32 for p in self.params]
         self.trainable = [p.requires_grad for p in self.params]
+        self.master_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what one upload reads
         self.owner: list[Unit] = [self] * len(self.params)  # who streams each gradient (tied weights: one owner)
         self.update_done: Future | None = None  # the last scheduled update of the params this unit owns
         self.version = 0  # bumped whenever an update of any of its params is scheduled
@@ -100,10 +101,6 @@ class DeviceBuffer:
                 offsets[dtype] += p.numel()
             self._views[unit] = out
         return self._views[unit]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.flat.values())
 
 
 def max_sizes(units: list[Unit]) -> dict[torch.dtype, int]:
