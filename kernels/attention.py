@@ -48,6 +48,20 @@ def _configs(block_m: int = 64, block_n: int = 64) -> list[triton.Config]:
 
 
 @triton.jit
+def _bounds(cu_seqlens, seq):
+    # the sequence's first token in the packed layout, and its length
+    start = tl.load(cu_seqlens + seq).to(tl.int64)
+    return start, tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+
+
+@triton.jit
+def _tile(base, start, offs, head, stride_t, stride_h, offs_d, ok):
+    # (len(offs), D) rows of one head, zeros where not ok
+    return tl.load(base + (start + offs)[:, None] * stride_t + head * stride_h + offs_d[None, :], mask=ok[:, None],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
 def _visible(offs_m, offs_n, seqlen, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     # (BLOCK_M, BLOCK_N) mask of the keys each query may attend to
     ok = (offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen)
@@ -96,33 +110,30 @@ def _fwd_kernel(
     # q/o: (T, Hq, D), k/v: (T, Hkv, D), lse: (Hq, T) in the log2 domain; one program per (query block,
     # sequence, query head)
     seq, head = tl.program_id(1), tl.program_id(2)
-    start = tl.load(cu_seqlens + seq).to(tl.int64)
-    seqlen = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    start, seqlen = _bounds(cu_seqlens, seq)
     m_start = tl.program_id(0) * BLOCK_M
     if m_start >= seqlen:
         return
     kv_head = head // GROUP
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=offs_m[:, None] < seqlen, other=0.0)  # fmt: skip
+    q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, offs_m < seqlen)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     lo, hi = _key_range(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for n_start in range(lo, hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        kt = tl.load(K + (start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                     mask=offs_n[None, :] < seqlen, other=0.0)  # fmt: skip
-        s = tl.dot(q, kt) * qk_scale
+        key_ok = offs_n < seqlen
+        k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=offs_n[:, None] < seqlen, other=0.0)  # fmt: skip
+        v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     row_ok = offs_m < seqlen
@@ -145,18 +156,15 @@ def _bwd_dkdv_kernel(
 ):  # fmt: skip
     # one program per (key block, sequence, kv head); loops over the group's query heads and query blocks
     seq, kv_head = tl.program_id(1), tl.program_id(2)
-    start = tl.load(cu_seqlens + seq).to(tl.int64)
-    seqlen = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    start, seqlen = _bounds(cu_seqlens, seq)
     n_start = tl.program_id(0) * BLOCK_N
     if n_start >= seqlen:
         return
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n[:, None] < seqlen
-    k = tl.load(K + (start + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=key_ok,
-                other=0.0)  # fmt: skip
-    v = tl.load(V + (start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=key_ok,
-                other=0.0)  # fmt: skip
+    key_ok = offs_n < seqlen
+    k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
+    v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     lo, hi = _query_range(n_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
@@ -165,10 +173,8 @@ def _bwd_dkdv_kernel(
         for m_start in range(lo, hi, BLOCK_M):
             offs_m = m_start + tl.arange(0, BLOCK_M)
             row_ok = offs_m < seqlen
-            q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)  # fmt: skip
-            do = tl.load(DO + (start + offs_m)[:, None] * stride_dot + head * stride_doh + offs_d[None, :],
-                         mask=row_ok[:, None], other=0.0)  # fmt: skip
+            q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, row_ok)
+            do = _tile(DO, start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok)
             lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -179,9 +185,9 @@ def _bwd_dkdv_kernel(
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
     tl.store(DK + (start + offs_n)[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)  # fmt: skip
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
     tl.store(DV + (start + offs_n)[:, None] * stride_dvt + kv_head * stride_dvh + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
+             dv.to(DV.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
 
 
 @triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
@@ -196,8 +202,7 @@ def _bwd_dq_kernel(
 ):  # fmt: skip
     # one program per (query block, sequence, query head)
     seq, head = tl.program_id(1), tl.program_id(2)
-    start = tl.load(cu_seqlens + seq).to(tl.int64)
-    seqlen = tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+    start, seqlen = _bounds(cu_seqlens, seq)
     m_start = tl.program_id(0) * BLOCK_M
     if m_start >= seqlen:
         return
@@ -205,21 +210,17 @@ def _bwd_dq_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seqlen
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)  # fmt: skip
-    do = tl.load(DO + (start + offs_m)[:, None] * stride_dot + head * stride_doh + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)  # fmt: skip
+    q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, row_ok)
+    do = _tile(DO, start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok)
     lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     lo, hi = _key_range(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for n_start in range(lo, hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        key_ok = offs_n[:, None] < seqlen
-        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=key_ok, other=0.0)  # fmt: skip
-        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=key_ok, other=0.0)  # fmt: skip
+        key_ok = offs_n < seqlen
+        k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
+        v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
         s = tl.dot(q, tl.trans(k)) * qk_scale
         visible = _visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW)
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
