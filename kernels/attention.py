@@ -31,20 +31,26 @@ import triton.language as tl
 from torch import Tensor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# NOTE: verified under the interpreter; switched on for CUDA once the GPU tests and benchmark have run there.
-TRITON_ON_CUDA = False
+# bf16/fp16 CUDA tensors take the Triton kernels (verified on an H200: tests/test_flash_attention.py,
+# bench_attention.py); False sends them to the torch path (per-sequence SDPA). fp32 on CUDA always takes the torch
+# path: Triton would compute its products in TF32, and exact fp32 tiles take minutes to compile.
+TRITON_ON_CUDA = True
 HEAD_DIMS = (16, 32, 64, 128, 256)
 _LOG2E = 1.4426950408889634
 
 
-def _configs(block_m: int = 64, block_n: int = 64) -> list[triton.Config]:
-    # NOTE: one config when interpreting: multi-config autotuning fails under TRITON_INTERPRET=1.
+def _configs(shapes, interpreted: tuple[int, int]) -> list[triton.Config]:
+    # NOTE: one config when interpreting: multi-config autotuning fails under TRITON_INTERPRET=1. Its blocks are
+    # unequal, as on the GPU, so the CPU tests walk the block-range arithmetic the GPU uses.
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4)]
-    return [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-        for m, n, w, s in ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3))
-    ]
+        return [triton.Config({"BLOCK_M": interpreted[0], "BLOCK_N": interpreted[1]}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+# (BLOCK_M, BLOCK_N, warps, stages). Forward and dQ walk key blocks for a query block; dK/dV walks query blocks
+# for a key block, so it favours wide key blocks (as FlashAttention-2's Triton tutorial does).
+_ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)), (32, 16))
+_COL_CONFIGS = _configs(((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32))
 
 
 @triton.jit
@@ -73,32 +79,72 @@ def _visible(offs_m, offs_n, seqlen, window, CAUSAL: tl.constexpr, HAS_WINDOW: t
 
 
 @triton.jit
-def _key_range(m_start, seqlen, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr):  # fmt: skip
-    # key blocks that can hold a visible key for queries m_start .. m_start + BLOCK_M - 1
+def _key_ranges(m_start, seqlen, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr):  # fmt: skip
+    # Key blocks for queries m_start .. m_start + BLOCK_M - 1: [lo, hi) may hold visible keys, and the blocks in
+    # [full_lo, full_hi) are visible to every query of the block and inside the sequence, so they need no mask.
+    # All four are lo + a multiple of BLOCK_N, except hi.
     lo = 0
     hi = seqlen
+    full_hi = seqlen // BLOCK_N * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(seqlen, m_start + BLOCK_M)
+        full_hi = (m_start + 1) // BLOCK_N * BLOCK_N  # keys <= m_start are seen by all the block's queries
+    full_lo = lo
     if HAS_WINDOW:
         lo = tl.maximum(0, m_start - window + 1) // BLOCK_N * BLOCK_N
-    return lo, hi
+        full_lo = tl.cdiv(tl.maximum(0, m_start + BLOCK_M - window), BLOCK_N) * BLOCK_N
+    full_hi = tl.maximum(full_hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _query_range(n_start, seqlen, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr):  # fmt: skip
-    # query blocks that can see a key of n_start .. n_start + BLOCK_N - 1
+def _query_ranges(n_start, seqlen, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):  # fmt: skip
+    # Query blocks that can see a key of n_start .. n_start + BLOCK_N - 1: [lo, hi); those in [full_lo, full_hi)
+    # see all of them. Rows past the sequence end are zero (q, dO, lse, delta) and add nothing to dK or dV, so
+    # only visibility is masked here.
     lo = 0
     hi = seqlen
     if CAUSAL:
         lo = n_start // BLOCK_M * BLOCK_M
     if HAS_WINDOW:
         hi = tl.minimum(seqlen, n_start + BLOCK_N + window - 1)
-    return lo, hi
+    end = lo + tl.cdiv(hi - lo, BLOCK_M) * BLOCK_M
+    full_lo = lo
+    full_hi = end
+    if CAUSAL:
+        full_lo = tl.cdiv(n_start + BLOCK_N - 1, BLOCK_M) * BLOCK_M  # queries >= the block's last key
+    if HAS_WINDOW:
+        full_hi = (n_start + window) // BLOCK_M * BLOCK_M  # queries < the block's first key + window
+    full_hi = tl.minimum(tl.maximum(full_hi, lo), end)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), full_hi)
+    return lo, full_lo, full_hi, hi
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.jit
+def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
+              offs_d, seqlen, window, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    # one key block of the online softmax
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < seqlen
+    k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        s = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Out, LSE, cu_seqlens,
@@ -108,10 +154,10 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # q/o: (T, Hq, D), k/v: (T, Hkv, D), lse: (Hq, T) in the log2 domain; one program per (query block,
-    # sequence, query head)
+    # sequence, query head), the last query blocks (the most work when causal) first
     seq, head = tl.program_id(1), tl.program_id(2)
     start, seqlen = _bounds(cu_seqlens, seq)
-    m_start = tl.program_id(0) * BLOCK_M
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     if m_start >= seqlen:
         return
     kv_head = head // GROUP
@@ -121,21 +167,20 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    lo, hi = _key_range(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    for n_start in range(lo, hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < seqlen
-        k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    # masked blocks (window edge), unmasked blocks, masked blocks (diagonal, sequence end)
+    for n_start in range(lo, full_lo, BLOCK_N):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
+                                  stride_vt, stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW,
+                                  BLOCK_N)  # fmt: skip
+    for n_start in range(full_lo, full_hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
+                                  stride_vt, stride_vh, offs_d, seqlen, window, qk_scale, False, CAUSAL, HAS_WINDOW,
+                                  BLOCK_N)  # fmt: skip
+    for n_start in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
+                                  stride_vt, stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW,
+                                  BLOCK_N)  # fmt: skip
     row_ok = offs_m < seqlen
     l_i = tl.where(row_ok, l_i, 1.0)  # rows past the sequence end (not stored) stay finite
     acc = acc / l_i[:, None]
@@ -144,7 +189,42 @@ def _fwd_kernel(
     tl.store(LSE + head * stride_lh + start + offs_m, m_i + tl.log2(l_i), mask=row_ok)
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.jit
+def _delta_kernel(OUT, DO, DELTA, n_rows, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # delta[h, t] = sum_d dO[t, h, d] * O[t, h, d], in fp32; one program per (row block, head)
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = rows < n_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = _tile(OUT, 0, rows, head, stride_ot, stride_oh, offs_d, ok).to(tl.float32)
+    do = _tile(DO, 0, rows, head, stride_dot, stride_doh, offs_d, ok).to(tl.float32)
+    tl.store(DELTA + head * stride_lh + rows, tl.sum(o * do, 1), mask=ok)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen, window, qk_scale,
+               stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    # one query block's contribution to a key block's dK and dV
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < seqlen
+    q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, row_ok)
+    do = _tile(DO, start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok)
+    lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        p = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), p, 0.0)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    return dk, dv
+
+
+@triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens,
@@ -167,30 +247,47 @@ def _bwd_dkdv_kernel(
     v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    lo, hi = _query_range(n_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    lo, full_lo, full_hi, hi = _query_ranges(n_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     for g in range(GROUP):
         head = kv_head * GROUP + g
-        for m_start in range(lo, hi, BLOCK_M):
-            offs_m = m_start + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < seqlen
-            q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, row_ok)
-            do = _tile(DO, start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok)
-            lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            visible = _visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW)
-            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        # masked blocks (diagonal), unmasked blocks, masked blocks (window edge)
+        for m_start in range(lo, full_lo, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
+                                window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, True,
+                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
+        for m_start in range(full_lo, full_hi, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
+                                window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, False,
+                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
+        for m_start in range(full_hi, hi, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
+                                window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, True,
+                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
     tl.store(DK + (start + offs_n)[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
     tl.store(DV + (start + offs_n)[:, None] * stride_dvt + kv_head * stride_dvh + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
 
 
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
+             stride_vh, offs_d, seqlen, window, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+             HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    # one key block's contribution to a query block's dQ
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < seqlen
+    k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
+    v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        p = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens,
@@ -200,10 +297,10 @@ def _bwd_dq_kernel(
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # one program per (query block, sequence, query head)
+    # one program per (query block, sequence, query head), the most work (last blocks when causal) first
     seq, head = tl.program_id(1), tl.program_id(2)
     start, seqlen = _bounds(cu_seqlens, seq)
-    m_start = tl.program_id(0) * BLOCK_M
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     if m_start >= seqlen:
         return
     kv_head = head // GROUP
@@ -215,18 +312,16 @@ def _bwd_dq_kernel(
     lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    lo, hi = _key_range(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    for n_start in range(lo, hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        key_ok = offs_n < seqlen
-        k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
-        v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = _visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW)
-        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+    lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    for n_start in range(lo, full_lo, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
+                      stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
+    for n_start in range(full_lo, full_hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
+                      stride_vh, offs_d, seqlen, window, qk_scale, False, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
+    for n_start in range(full_hi, hi, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
+                      stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
     tl.store(DQ + (start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
@@ -239,13 +334,17 @@ class AttentionOptions:
     max_seqlen: int = 0
 
 
+def _use_triton(q: Tensor) -> bool:
+    return _INTERPRET or (q.is_cuda and TRITON_ON_CUDA and q.dtype != torch.float32)
+
+
 def _grid(blocks_over: int, cu_seqlens: Tensor, heads: int, block: str):
     return lambda meta: (triton.cdiv(blocks_over, meta[block]), cu_seqlens.numel() - 1, heads)
 
 
 def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, opts: AttentionOptions):
     """q: (T, Hq, D), k/v: (T, Hkv, D), cu_seqlens: (B+1,) int32. Returns o (T, Hq, D) and lse (Hq, T) (log2)."""
-    if not (_INTERPRET or (q.is_cuda and TRITON_ON_CUDA)):
+    if not _use_triton(q):
         return _forward_torch(q, k, v, cu_seqlens, opts)
     t, hq, d = q.shape
     o = torch.empty_like(q)
@@ -261,10 +360,15 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
 
 def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOptions):
     """Gradients (dq, dk, dv) of the forward above, in the inputs' dtype."""
-    if not (_INTERPRET or (q.is_cuda and TRITON_ON_CUDA)):
+    if not _use_triton(q):
         return _backward_torch(q, k, v, do, cu_seqlens, opts)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
-    delta = (do.float() * o.float()).sum(-1).t().contiguous()  # (Hq, T)
+    t = q.shape[0]
+    delta = torch.empty_like(lse)  # (Hq, T)
+    block = 64
+    _delta_kernel[(triton.cdiv(t, block), hq)](
+        o, do, delta, t, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0), HEAD_DIM=d, BLOCK=block
+    )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = dict(GROUP=hq // hkv, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),

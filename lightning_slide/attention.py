@@ -9,12 +9,48 @@ variable-length kernel, so nothing attends across documents and no (S x S) mask 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from .kernels import flash_attention
+from .kernels.attention import HEAD_DIMS
 
 NAME = "slide"
+log = logging.getLogger(__name__)
+
+
+def use_slide_attention(model: nn.Module, required: bool) -> Callable[[], None] | None:
+    """Switch a Hugging Face model to ``attn_implementation="slide"`` if the kernel covers its attention.
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+        required: raise if it cannot be switched (else log why and keep the model's own attention).
+
+    Returns:
+        a function that restores the previous implementation, or ``None`` if nothing changed.
+    """
+    config = model.config
+    previous = config._attn_implementation
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    why = None
+    if head_dim not in HEAD_DIMS:
+        why = f"head dim {head_dim} (supported: {HEAD_DIMS})"
+    elif getattr(config, "attention_dropout", 0.0):
+        why = f"attention_dropout={config.attention_dropout} (the kernel has no attention dropout)"
+    elif getattr(config, "attn_logit_softcapping", None):
+        why = "attention logit soft-capping"
+    if why is not None:
+        if required:
+            raise ValueError(f"attention='slide' cannot run this model: {why}. Use attention='auto' or None.")
+        log.info("SlideFormer keeps attn_implementation=%r: %s.", previous, why)
+        return None
+    if previous == NAME:
+        return None
+    model.set_attn_implementation(NAME)
+    return lambda: model.set_attn_implementation(previous)
 
 
 def slide_attention_forward(

@@ -25,6 +25,7 @@ class Layout:
     blocks: list[tuple[str, nn.Module]]
     embedding: tuple[str, nn.Embedding] | None = None
     head: tuple[str, nn.Linear] | None = None
+    pretrained: nn.Module | None = None  # the outermost Hugging Face model holding the blocks
     causal_lm: nn.Module | None = None  # the Hugging Face *ForCausalLM whose loss we install
 
 
@@ -50,6 +51,7 @@ def find_layout(root: nn.Module, blocks: str | None = None) -> Layout:
     hf = _outermost_pretrained(root, stack)
     if hf is None:
         return layout
+    layout.pretrained = hf
     emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     if type(emb) is nn.Embedding and emb.max_norm is None and not emb.scale_grad_by_freq and not emb.sparse:
         layout.embedding = (names[emb], emb)

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from .attention import use_slide_attention
 from .engine import SlideEngine
 from .loss import causal_lm_loss
 from .models import disable_hf_checkpointing, find_layout, install_causal_lm_loss
@@ -51,6 +52,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             skips that optimizer step.
         cpu_threads: threads of the CPU optimizer; ``None``: all cores but one on CUDA (the other feeds the GPU),
             torch's default on the CPU.
+        attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
+            (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
+            ``"slide"`` requires it, ``None`` keeps the model's own. Restored when training ends.
     """
 
     strategy_name = "slideformer"
@@ -64,6 +68,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         install_loss: bool = True,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
+        attention: Literal["auto", "slide"] | None = "auto",
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
@@ -76,6 +81,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive int or None; got {cpu_threads!r}.")
+        if attention not in ("auto", "slide", None):
+            raise ValueError(f"attention must be 'auto', 'slide' or None; got {attention!r}.")
         self._parallel_devices: list[torch.device] = []
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
         self.num_slots = num_slots
@@ -84,8 +91,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.install_loss = install_loss
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
+        self.attention = attention
         self.engine: SlideEngine | None = None
-        self._restore_loss = None
+        self._restores: list = []  # undo what setup changed on the user's model, at teardown
 
     # ---- device and precision ----------------------------------------------------------------------------------
 
@@ -158,6 +166,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         layout = find_layout(module, self.blocks)
         disable_hf_checkpointing(module)
         cuda = self.root_device.type == "cuda"
+        half = self.precision_plugin.compute_dtype != torch.float32  # the kernel's Triton path is bf16/fp16
+        if layout.pretrained is not None and (self.attention == "slide" or (self.attention == "auto" and cuda and half)):
+            restore = use_slide_attention(layout.pretrained, required=self.attention == "slide")
+            if restore is not None:
+                self._restores.append(restore)
         self.engine = SlideEngine(
             module,
             layout.blocks,
@@ -176,8 +189,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.engine.setup()
         if self.install_loss and layout.causal_lm is not None:
             engine = self.engine
-            self._restore_loss = install_causal_lm_loss(
-                layout.causal_lm, lambda hidden, labels, **kw: engine.head_loss(hidden, labels, causal_lm_loss, **kw)
+            self._restores.append(
+                install_causal_lm_loss(
+                    layout.causal_lm,
+                    lambda hidden, labels, **kw: engine.head_loss(hidden, labels, causal_lm_loss, **kw),
+                )
             )
         self.model = module
         if fitting:
@@ -213,9 +229,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._restore_loss is not None:
-            self._restore_loss()
-            self._restore_loss = None
+        while self._restores:
+            self._restores.pop()()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             try:

@@ -129,3 +129,47 @@ def test_pinning_failure_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch, "empty", no_pinning)
     with pytest.raises(PinnedMemoryError, match="ulimit -l"):
         fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)
+
+
+def test_registered_host_memory_trains_exactly_and_is_released(monkeypatch):
+    import lightning as L
+
+    from lightning_slide.engine import transfer
+
+    monkeypatch.setattr(transfer, "_REGISTER_MIN_BYTES", 0)  # every host buffer through cudaHostRegister
+    calls = {"register": 0, "unregister": 0}
+
+    def counted(name, real):
+        def call(*args):
+            calls[name] += 1
+            return real(*args)
+
+        return call
+
+    monkeypatch.setattr(transfer, "_cuda_register", counted("register", transfer._cuda_register))
+    monkeypatch.setattr(transfer, "_cuda_unregister", counted("unregister", transfer._cuda_unregister))
+    registered = []
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            registered.append(len(trainer.strategy.engine.transfer._registered))
+
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, "auto", accelerator="gpu")
+    strategy = SlideFormerStrategy(num_slots=2)
+    ours, _ = fit(module, strategy, accelerator="gpu", callbacks=[Look()])
+    assert registered
+    assert min(registered) > 0
+    assert calls["register"] == calls["unregister"] > 0  # all released at teardown
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_registration_failure_is_a_clear_error(monkeypatch):
+    from lightning_slide import PinnedMemoryError
+    from lightning_slide.engine import transfer
+
+    monkeypatch.setattr(transfer, "_REGISTER_MIN_BYTES", 0)
+    monkeypatch.setattr(transfer, "_cuda_register", lambda ptr, nbytes: 2)  # cudaErrorMemoryAllocation
+    with pytest.raises(PinnedMemoryError, match="ulimit -l"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)

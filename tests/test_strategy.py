@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_slide
-from helpers import CausalLM, StackLM, fit, max_rel_error, tiny_config, token_data
+from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
 from lightning_slide import SlideFormerPrecision, SlideFormerStrategy
 
 
@@ -58,6 +58,7 @@ def test_unsupported_precision_is_a_clear_error(precision):
         ({"update_schedule": "sideways"}, "update_schedule must be"),
         ({"on_nonfinite": "ignore"}, "on_nonfinite must be"),
         ({"cpu_threads": 0}, "cpu_threads must be"),
+        ({"attention": "flash"}, "attention must be 'auto', 'slide' or None"),
     ],
 )
 def test_bad_options(kwargs, match):
@@ -122,6 +123,7 @@ class _NoStack(L.LightningModule):
         (StackLM, {"blocks": "net.head"}, {}, ValueError, "must name a non-empty nn.ModuleList"),
         (StackLM, {"update_schedule": "backward"}, {"gradient_clip_val": 1.0}, ValueError, "update_schedule='forward'"),
         (StackLM, {"on_nonfinite": "skip"}, {}, ValueError, "needs the global gradient norm"),
+        (lambda: CausalLM(tiny_config("llama")), {"attention": "slide"}, {}, ValueError, "head dim 8 \\(supported"),
     ],
 )
 def test_bad_setups_fail_before_anything_moves(module, strategy, kwargs, error, match):
@@ -148,3 +150,40 @@ def test_hf_gradient_checkpointing_is_turned_off_and_results_hold():
     assert not any(getattr(m, "gradient_checkpointing", False) for m in trained.modules())
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def _attention_seen():
+    seen = set()
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            seen.add(pl_module.model.config._attn_implementation)
+
+    return seen, Look()
+
+
+def _head_dim_16():
+    return CausalLM(tiny_config("llama", hidden_size=64, intermediate_size=128, head_dim=16))
+
+
+def test_slide_attention_training_matches_plain_sdpa():
+    module = _head_dim_16()
+    ref, _ = fit(module, "auto", steps=3)
+    seen, look = _attention_seen()
+    ours, trained = fit(module, SlideFormerStrategy(num_slots=2, attention="slide"), steps=3, callbacks=[look])
+    assert seen == {"slide"}
+    assert trained.model.config._attn_implementation == "sdpa"  # restored when training ended
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_auto_attention_on_cuda_bf16_is_slide_and_within_twice_plain_bf16_error():
+    module = _head_dim_16()
+    ref32, _ = fit(module, "auto", accelerator="gpu", steps=3)
+    plain16, _ = fit(module, "auto", accelerator="gpu", precision="bf16-mixed", steps=3)
+    seen, look = _attention_seen()
+    ours16, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu", precision="bf16-mixed", steps=3,
+                    callbacks=[look])  # fmt: skip
+    assert seen == {"slide"}
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)

@@ -208,6 +208,7 @@ class SlideEngine:
                 retain=self._retain,
                 max_queued_bytes=self._max_queued_grad_bytes,
             )
+        self._ready = True  # from here on, teardown releases what setup made, also if setup fails below
         move_except_parameters(self.model, self.device)
         self._pin_masters()
         ring_sizes = max_sizes(self.blocks)
@@ -217,7 +218,6 @@ class SlideEngine:
         self._rows_host: Tensor | None = None
         self._rows_event = None
         self._patch()
-        self._ready = True
 
     def _pin_masters(self) -> None:
         if not self.transfer.is_cuda:
@@ -257,6 +257,7 @@ class SlideEngine:
             if self.optimizer is not None:
                 self.router.close()
             self.worker.shutdown()
+            self.transfer.close()
             move_except_parameters(self.model, torch.device("cpu"))
             self._ring, self._own = [], {}
 

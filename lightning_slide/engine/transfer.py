@@ -3,10 +3,15 @@
 On CUDA, uploads run on one side stream and gradient downloads on another, both ordered against the compute
 stream with events, from pinned host memory. On the CPU the same calls become plain synchronous copies with
 no events and no pinning (CPU builds of torch cannot pin), so the engine around them runs unchanged.
+
+Large host buffers are pinned by registering ordinary pages with the driver (``cudaHostRegister``), not with
+``pin_memory=True``: torch's pinned-memory allocator rounds every request up to a power of two, which turned
+a 2.1 GB embedding into 4 GiB of locked memory. Registered buffers are released when the ``Transfer`` closes.
 """
 
 from __future__ import annotations
 
+import mmap
 import queue
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +22,17 @@ from torch import Tensor
 
 class PinnedMemoryError(RuntimeError):
     """Host memory could not be pinned."""
+
+
+_REGISTER_MIN_BYTES = 1 << 20  # smaller buffers come from torch's pinned allocator (its rounding is negligible)
+
+
+def _cuda_register(ptr: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _cuda_unregister(ptr: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
 
 class Transfer:
@@ -38,6 +54,7 @@ class Transfer:
         # through this staging chunk. Gradients are upcast to fp32 on the device before they leave.
         self._up_stage = torch.empty(chunk_numel, dtype=torch.float32, device=device) if self.is_cuda else None
         self.down_stage = torch.empty(chunk_numel, dtype=torch.float32, device=device)
+        self._registered: list[Tensor] = []
         self._landing: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
         for _ in range(landing_buffers):
             self._landing.put(self.host_empty(chunk_numel))
@@ -46,14 +63,37 @@ class Transfer:
         """A flat host tensor, pinned when the device is CUDA."""
         if not self.is_cuda:
             return torch.empty(numel, dtype=dtype)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
         try:
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            if nbytes < _REGISTER_MIN_BYTES:
+                return torch.empty(numel, dtype=dtype, pin_memory=True)
+            return self._register(nbytes).view(dtype)
         except RuntimeError as err:
-            gib = numel * torch.empty((), dtype=dtype).element_size() / 2**30
             raise PinnedMemoryError(
-                f"Could not pin {gib:.2f} GiB of host memory ({err}). Check `ulimit -l` (locked-memory limit) and"
-                " free RAM, or lower the memory the run needs (fewer window slots, a smaller landing pool)."
+                f"Could not pin {nbytes / 2**30:.2f} GiB of host memory ({err}). Check `ulimit -l` (locked-memory"
+                " limit) and free RAM, or lower the memory the run needs (fewer window slots, a smaller landing"
+                " pool)."
             ) from err
+
+    def _register(self, nbytes: int) -> Tensor:
+        # Whole pages of a private allocation are registered, so no page is shared with another buffer (a page
+        # registered twice is an error).
+        page = mmap.PAGESIZE
+        raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
+        size = -(-nbytes // page) * page
+        pages = raw[(-raw.data_ptr()) % page :][:size]
+        code = _cuda_register(pages.data_ptr(), size)
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
+        self._registered.append(pages)
+        return pages[:nbytes]
+
+    def close(self) -> None:
+        """Unregister the host memory this object pinned (the tensors stay valid, as pageable memory)."""
+        if self._registered:
+            torch.cuda.synchronize(self.device)  # no copy may still use it
+        while self._registered:
+            _cuda_unregister(self._registered.pop().data_ptr())
 
     def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
         """An event at the current point of ``stream`` (default: the current stream); ``None`` on the CPU."""
