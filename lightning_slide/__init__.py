@@ -6,9 +6,11 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .attention import register as _register_attention
+from .data import TextDataModule
 from .engine import NonFiniteGradientError, PinnedMemoryError
 from .kernels import fused_linear_cross_entropy
 from .loss import causal_lm_loss
+from .module import CausalLMModule, LoRA
 from .precision import SlideFormerPrecision
 from .strategy import SlideFormerStrategy
 
@@ -17,10 +19,13 @@ _register_attention()  # attn_implementation="slide" for transformers models
 
 __version__ = "0.1.0"
 __all__ = [
+    "CausalLMModule",
+    "LoRA",
     "NonFiniteGradientError",
     "PinnedMemoryError",
     "SlideFormerPrecision",
     "SlideFormerStrategy",
+    "TextDataModule",
     "causal_lm_loss",
     "fused_linear_cross_entropy",
 ]

@@ -167,7 +167,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         disable_hf_checkpointing(module)
         cuda = self.root_device.type == "cuda"
         half = self.precision_plugin.compute_dtype != torch.float32  # the kernel's Triton path is bf16/fp16
-        if layout.pretrained is not None and (self.attention == "slide" or (self.attention == "auto" and cuda and half)):
+        if layout.pretrained is not None and (
+            self.attention == "slide" or (self.attention == "auto" and cuda and half)
+        ):
             restore = use_slide_attention(layout.pretrained, required=self.attention == "slide")
             if restore is not None:
                 self._restores.append(restore)

@@ -1,0 +1,217 @@
+"""``TextDataModule``: JSONL documents (``text``, or chat ``messages``) tokenized, packed and split for causal-LM
+training — and a built-in corpus and byte-level tokenizer, so the quickstart needs no network.
+
+Packing concatenates documents into rows of ``seq_len`` tokens. Each document's positions restart at 0, which is
+how packed batches reach the attention kernel (``attn_implementation="slide"`` runs one variable-length kernel,
+and transformers' SDPA path masks by the restarts too), and no token is trained to predict the first token of
+the next document. Chat documents are rendered with the tokenizer's chat template and only assistant turns carry
+labels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+IGNORE = -100
+BUILTIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def builtin_tokenizer():
+    """A byte-level tokenizer (256 bytes + 6 special tokens) with a chat template, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|eos|>", pad_token="<|pad|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
+    tokenizer.chat_template = BUILTIN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def builtin_documents(n: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+    """A small synthetic corpus with learnable structure: arithmetic facts as text, and as chats."""
+    rng = random.Random(seed)
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    docs: list[dict[str, Any]] = []
+    for i in range(n):
+        a, b = rng.randrange(10), rng.randrange(10)
+        fact = f"{words[a]} plus {words[b]} is {a + b}."
+        if i % 4 == 3:
+            question = {"role": "user", "content": f"what is {words[a]} plus {words[b]}?"}
+            docs.append({"messages": [question, {"role": "assistant", "content": fact}]})
+        else:
+            c = rng.randrange(10)
+            docs.append({"text": f"{fact} {words[c]} times two is {2 * c}. count: {' '.join(words[: c + 1])}."})
+    return docs
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Documents from a JSONL file; each line needs ``text`` (a string) or ``messages`` (a list of turns)."""
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg}).") from None
+            if not isinstance(doc, dict) or not (
+                isinstance(doc.get("text"), str) or isinstance(doc.get("messages"), list)
+            ):
+                raise ValueError(
+                    f"{path}, line {number}: each line needs a 'text' string or a 'messages' list of"
+                    " {'role', 'content'} turns."
+                )
+            docs.append(doc)
+    if not docs:
+        raise ValueError(f"{path} holds no documents.")
+    return docs
+
+
+def tokenize(doc: dict[str, Any], tokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids of one document (ending with EOS) and which of them are trained on."""
+    if "text" in doc:
+        ids = tokenizer(doc["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        return ids, [True] * len(ids)
+    messages = doc["messages"]
+    ids: list[int] = []
+    trained: list[bool] = []
+    for i, turn in enumerate(messages):
+        # NOTE: a turn's tokens are the difference between the renderings of the conversation up to it and up to
+        # the turn before (chat templates render a prefix as a prefix; checked). Of an assistant turn, the header
+        # that the generation prompt renders is not trained, only what the model would generate after it.
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=True, return_dict=False)
+        head = len(ids)
+        if turn["role"] == "assistant":
+            head = len(tokenizer.apply_chat_template(messages[:i], tokenize=True, return_dict=False,
+                                                     add_generation_prompt=True))  # fmt: skip
+        if full[: len(ids)] != ids or head > len(full):
+            raise ValueError("The tokenizer's chat template does not render a conversation's prefix as its prefix.")
+        trained += [False] * (head - len(ids)) + [turn["role"] == "assistant"] * (len(full) - head)
+        ids = list(full)
+    return ids + [tokenizer.eos_token_id], trained + [True]
+
+
+def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) -> dict[str, Tensor]:
+    """Rows of ``seq_len`` tokens: documents back to back, positions restarting at each document."""
+    ids, labels, positions = [], [], []
+    for tokens, trained in docs:
+        for start in range(0, len(tokens), seq_len):  # a document longer than a row continues as a new document
+            piece = tokens[start : start + seq_len]
+            ids += piece
+            labels += [t if ok else IGNORE for t, ok in zip(piece, trained[start : start + seq_len])]
+            labels[len(labels) - len(piece)] = IGNORE  # nothing predicts a document's first token
+            positions += range(len(piece))
+    pad = (-len(ids)) % seq_len
+    ids += [pad_id] * pad
+    labels += [IGNORE] * pad
+    positions += range(pad)
+    rows = len(ids) // seq_len
+
+    def as_rows(values):
+        return torch.tensor(values, dtype=torch.long).view(rows, seq_len)
+
+    return {"input_ids": as_rows(ids), "labels": as_rows(labels), "position_ids": as_rows(positions)}
+
+
+def _missing_directory(name: str | None) -> bool:
+    """``name`` is written as a local path (not a hub id) and no such directory exists."""
+    return name is not None and name.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(name))
+
+
+class _Rows(Dataset):
+    def __init__(self, rows: dict[str, Tensor]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows["input_ids"])
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {k: v[i] for k, v in self.rows.items()}
+
+
+class TextDataModule(L.LightningDataModule):
+    """JSONL documents, tokenized and packed into rows, with a train/validation split.
+
+    Args:
+        path: a JSONL file with a ``text`` or ``messages`` field per line; ``None``: the built-in corpus.
+        tokenizer: hub id or local directory for ``AutoTokenizer``; ``None``: the built-in byte-level tokenizer
+            (262 tokens: give the model ``vocab_size >= 262``).
+        seq_len: tokens per row.
+        batch_size: rows per batch.
+        val_fraction: share of documents held out for validation (0: no validation).
+        seed: seed of the split and the shuffling.
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        tokenizer: str | None = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if path is not None and not os.path.isfile(os.path.expanduser(path)):
+            raise FileNotFoundError(f"data path {path!r}: no such file. Give a JSONL file (or no path: built-in data).")
+        if _missing_directory(tokenizer):
+            raise FileNotFoundError(f"tokenizer={tokenizer!r}: no such directory.")
+        if seq_len < 2 or batch_size < 1 or not 0 <= val_fraction < 1:
+            raise ValueError(
+                f"seq_len must be >= 2, batch_size >= 1 and 0 <= val_fraction < 1; got {seq_len}, {batch_size},"
+                f" {val_fraction}."
+            )
+        self.path, self.tokenizer_name = path, tokenizer
+        self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
+        self.tokenizer = None
+        self.train_rows: dict[str, Tensor] | None = None
+        self.val_rows: dict[str, Tensor] | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.train_rows is not None:
+            return
+        docs = read_jsonl(os.path.expanduser(self.path)) if self.path else builtin_documents(seed=self.seed)
+        self.tokenizer = self._load_tokenizer()
+        order = list(range(len(docs)))
+        random.Random(self.seed).shuffle(order)
+        n_val = round(len(docs) * self.val_fraction) if self.val_fraction else 0
+        n_val = max(n_val, 1) if self.val_fraction and len(docs) > 1 else n_val
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+
+        def rows(indices):
+            return pack([tokenize(docs[i], self.tokenizer) for i in indices], self.seq_len, pad)
+
+        self.train_rows = rows(order[n_val:])
+        self.val_rows = rows(order[:n_val]) if n_val else None
+
+    def _load_tokenizer(self):
+        if self.tokenizer_name is None:
+            return builtin_tokenizer()
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.expanduser(self.tokenizer_name))
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(_Rows(self.train_rows), batch_size=self.batch_size, shuffle=True, generator=generator)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_rows is None:
+            return []
+        return DataLoader(_Rows(self.val_rows), batch_size=self.batch_size)

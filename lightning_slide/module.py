@@ -1,0 +1,189 @@
+"""``CausalLMModule``: a ready-made LightningModule that fine-tunes a Hugging Face causal LM.
+
+The model comes from a hub id or local directory (``from_pretrained``) or from a config (random init). LoRA is
+optional (peft). The loss and the validation metrics come from the last hidden states through the fused linear
+cross-entropy, so the (tokens x vocabulary) logits are never built — with or without the SlideFormer strategy
+(under it, the head's weights are streamed by the engine).
+
+Batches are dicts with ``input_ids`` and ``labels`` (B, S) and optionally ``position_ids`` (packed documents
+restart at 0) — what :class:`lightning_slide.data.TextDataModule` yields.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import SumMetric
+
+from .data import _missing_directory
+from .kernels import fused_linear_cross_entropy
+
+
+@dataclass
+class LoRA:
+    """peft LoRA settings (``--model.lora.r 16`` on the command line)."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class CausalLMModule(L.LightningModule):
+    """Fine-tune a Hugging Face causal LM.
+
+    Args:
+        model: hub id or local directory for ``from_pretrained`` (exclusive with ``config``).
+        config: a transformers config as a dict with ``model_type`` (random init), e.g. for tests and benchmarks.
+        lora: LoRA settings; ``None`` trains every parameter.
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay, applied to matrices only (not to norms, biases or other vectors).
+        betas: AdamW betas.
+        warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr`` at the last step.
+        min_lr_ratio: the final learning rate as a fraction of ``lr``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: dict[str, Any] | None = None,
+        lora: LoRA | None = None,
+        lr: float = 2e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (config is None):
+            raise ValueError("CausalLMModule needs exactly one of model= (hub id or directory) and config= (a dict).")
+        if _missing_directory(model):
+            raise FileNotFoundError(f"model={model!r}: no such directory. Give a local model directory or a hub id.")
+        if config is not None and "model_type" not in config:
+            raise ValueError(f"config= needs a 'model_type' (e.g. 'llama'); got keys {sorted(config)}.")
+        if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(
+                f"lr must be > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got {lr}, {warmup_steps},"
+                f" {min_lr_ratio}."
+            )
+        if lora is not None:
+            _check_lora_targets(model, config, lora)
+        self.save_hyperparameters()
+        self.source, self.config_dict, self.lora = model, config, lora
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
+        self.model: nn.Module | None = None
+        self.val_loss, self.val_correct, self.val_tokens = SumMetric(), SumMetric(), SumMetric()
+
+    # ---- the model -----------------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if self.source is not None:
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(self.source), dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**self.config_dict))
+        self.model = _with_lora(model, self.lora) if self.lora is not None else model
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The transformers ``*ForCausalLM`` (inside the peft wrapper when LoRA is on)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def token_losses(self, batch: dict[str, Tensor], **options) -> Tensor | tuple[Tensor, Tensor]:
+        """The fused cross-entropy of the batch's next-token predictions (``options`` go to the kernel)."""
+        lm = self.causal_lm
+        hidden = lm.base_model(
+            input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False
+        ).last_hidden_state
+        target = F.pad(batch["labels"], (0, 1), value=-100)[:, 1:].reshape(-1)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        head = lm.get_output_embeddings()
+        engine = getattr(self.trainer.strategy, "engine", None) if self._trainer is not None else None
+        if engine is not None and engine.head is not None and engine.head.module is head:
+            return engine.head_loss(hidden, target, fused_linear_cross_entropy, **options)  # streamed head
+        return fused_linear_cross_entropy(hidden, head.weight, target, head.bias, **options)
+
+    # ---- steps ---------------------------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self.token_losses(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        total, correct = self.token_losses(batch, reduction="sum", return_correct=True)
+        self.val_loss.update(total.float())
+        self.val_correct.update(correct.sum().float())
+        self.val_tokens.update((batch["labels"][:, 1:] != -100).sum().float())
+
+    def on_validation_epoch_end(self) -> None:
+        tokens = self.val_tokens.compute().clamp_min(1)
+        mean = self.val_loss.compute() / tokens
+        accuracy = self.val_correct.compute() / tokens
+        self.log_dict({"val/loss": mean, "val/perplexity": mean.exp(), "val/accuracy": accuracy}, prog_bar=True)
+        for metric in (self.val_loss, self.val_correct, self.val_tokens):
+            metric.reset()
+
+    # ---- optimization --------------------------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _warmup_cosine(self.warmup_steps, total, self.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _warmup_cosine(warmup: int, total: int, floor: float):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _check_lora_targets(source: str | None, config: dict[str, Any] | None, lora: LoRA) -> None:
+    # Before any weights load (and before the CLI writes anything): the module names come from the model's
+    # architecture, built on the meta device. A hub id whose config is not reachable is checked later, by peft.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        cfg = AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
+    except OSError:
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in lora.target_modules if t not in names]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"LoRA target_modules {missing} are not modules of this model; its linear layers are {linear}."
+        )
+
+
+def _with_lora(model: nn.Module, lora: LoRA) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(model, config)

@@ -1,0 +1,214 @@
+"""The product layer: CausalLMModule, TextDataModule, LoRA, the `slide` command and its recipes."""
+
+import csv
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import global_error, max_rel_error
+from lightning_slide import SlideFormerStrategy
+from lightning_slide.cli import main as slide
+from lightning_slide.data import IGNORE, TextDataModule, builtin_tokenizer, pack, tokenize
+from lightning_slide.module import CausalLMModule, LoRA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=262, max_position_embeddings=128)  # fmt: skip
+
+
+def train(strategy="auto", *, precision="32-true", steps=4, lora=None, model=None, **trainer_kwargs):
+    """Fit a CausalLMModule on the built-in data; returns (fp32 state dict, the module, logged metrics)."""
+    L.seed_everything(0, verbose=False)
+    module = CausalLMModule(model=model, config=None if model else TINY, lora=lora, lr=1e-2, weight_decay=0.1,
+                            warmup_steps=2)  # fmt: skip
+    data = TextDataModule(seq_len=32, batch_size=4, val_fraction=0.02)
+    options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, limit_val_batches=2)  # fmt: skip
+    options.update(trainer_kwargs)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, precision=precision, max_steps=steps, **options
+    )
+    trainer.fit(module, data)
+    state = {k: v.detach().float().clone() for k, v in module.model.state_dict().items()}
+    return state, module, {k: v.item() for k, v in trainer.callback_metrics.items()}
+
+
+def test_module_under_the_strategy_matches_plain_lightning_with_validation_metrics():
+    ref, _, ref_metrics = train(val_check_interval=4)
+    ours, _, metrics = train(SlideFormerStrategy(num_slots=2), val_check_interval=4)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    assert {"val/loss", "val/perplexity", "val/accuracy"} <= set(metrics)
+    for name in ("val/loss", "val/accuracy"):
+        assert metrics[name] == pytest.approx(ref_metrics[name], rel=1e-5)
+    assert metrics["val/perplexity"] == pytest.approx(torch.tensor(metrics["val/loss"]).exp().item(), rel=1e-6)
+
+
+def test_validation_metrics_equal_full_logits_computation():
+    _, module, metrics = train(steps=2, val_check_interval=2)
+    data = TextDataModule(seq_len=32, batch_size=4, val_fraction=0.02)
+    data.setup("fit")
+    total = correct = tokens = 0.0
+    with torch.no_grad():
+        for i, batch in enumerate(data.val_dataloader()):
+            if i == 2:  # limit_val_batches=2
+                break
+            logits = module.causal_lm(**{k: batch[k] for k in ("input_ids", "position_ids")}, use_cache=False).logits
+            target = batch["labels"][:, 1:]
+            valid = target != IGNORE
+            losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), target, reduction="none")
+            total += losses[valid].sum().item()
+            correct += (logits[:, :-1].argmax(-1) == target)[valid].sum().item()
+            tokens += valid.sum().item()
+    assert metrics["val/loss"] == pytest.approx(total / tokens, rel=1e-4)
+    assert metrics["val/accuracy"] == pytest.approx(correct / tokens, rel=1e-6)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_fp32_matches_plain_peft_and_trains_only_adapters(dropout):
+    lora = LoRA(r=4, alpha=8, dropout=dropout)
+    ref, _, _ = train(lora=lora)
+    ours, module, _ = train(SlideFormerStrategy(num_slots=2), lora=lora)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    trainable = {n for n, p in module.model.named_parameters() if p.requires_grad}
+    assert trainable
+    assert all("lora_" in n for n in trainable)
+    optimizer = module.trainer.optimizers[0]
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == {
+        id(p) for p in module.model.parameters() if p.requires_grad
+    }
+
+
+def test_lora_bf16_within_twice_plain_peft_bf16_error():
+    lora = LoRA(r=4, alpha=8, dropout=0.1)
+    ref32, _, _ = train(lora=lora)
+    plain16, _, _ = train(lora=lora, precision="bf16-mixed")
+    ours16, _, _ = train(SlideFormerStrategy(num_slots=2), lora=lora, precision="bf16-mixed")
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
+
+
+def test_model_from_a_local_directory(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)).save_pretrained(tmp_path)
+    _, module, metrics = train(SlideFormerStrategy(num_slots=2), model=str(tmp_path), steps=2)
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert type(module.causal_lm).__name__ == "LlamaForCausalLM"
+
+
+# ---- data ---------------------------------------------------------------------------------------------------------
+
+
+def test_packing_restarts_positions_and_never_predicts_across_documents():
+    docs = [([1, 2, 3], [True] * 3), ([4, 5, 6, 7, 8], [True] * 5), ([9, 10], [False, True])]
+    rows = pack(docs, seq_len=4, pad_id=0)
+    assert rows["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]
+    # the 5-token document is longer than a row: its 5th token starts a new piece at position 0
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 0], [1, 2, 3, 0], [0, 1, 0, 1]]
+    assert rows["labels"].tolist() == [[IGNORE, 2, 3, IGNORE], [5, 6, 7, IGNORE], [IGNORE, 10, IGNORE, IGNORE]]
+
+
+def test_document_longer_than_a_row_continues_as_a_new_document():
+    rows = pack([(list(range(1, 7)), [True] * 6)], seq_len=4, pad_id=0)
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
+    assert rows["labels"].tolist() == [[IGNORE, 2, 3, 4], [IGNORE, 6, IGNORE, IGNORE]]
+
+
+def test_chat_documents_train_only_assistant_turns():
+    tokenizer = builtin_tokenizer()
+    doc = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"},
+                        {"role": "assistant", "content": "ciao"}]}  # fmt: skip
+    ids, trained = tokenize(doc, tokenizer)
+    assert tokenizer.decode([i for i, t in zip(ids, trained) if t]) == "hello<|end|>ciao<|end|><|eos|>"
+    assert tokenizer.decode(ids).startswith("<|system|>be brief<|end|><|user|>hi")
+
+
+def test_jsonl_text_and_messages(tmp_path):
+    path = tmp_path / "d.jsonl"
+    lines = [{"text": "one two three"}] * 20 + [
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    ] * 5
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    data = TextDataModule(path=str(path), seq_len=16, batch_size=2, val_fraction=0.2)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert batch["input_ids"].shape == (2, 16)
+    assert data.val_rows is not None
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"text": "fine"}\n{"prompt": "no text"}\n', r"line 2: each line needs a 'text' string or a 'messages'"),
+        ('{"text": "fine"}\n\n{"text": broken\n', r"line 3: not valid JSON"),
+    ],
+)
+def test_bad_jsonl_names_the_line(tmp_path, content, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        TextDataModule(path=str(path)).setup("fit")
+
+
+# ---- the command and its recipes -----------------------------------------------------------------------------------
+
+
+def test_quickstart_recipe_runs_and_loss_falls(tmp_path):
+    # as a user runs it: `python -m lightning_slide` in a fresh process, without the test's TRITON_INTERPRET
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    recipe = os.path.join(ROOT, "recipes", "quickstart.yaml")
+    command = [sys.executable, "-m", "lightning_slide", "fit", "--config", recipe, "--trainer.max_steps", "40",
+               "--trainer.val_check_interval", "40", "--trainer.default_root_dir", str(tmp_path),
+               "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    subprocess.run(command, env=env, check=True, timeout=600)
+    (metrics,) = glob.glob(str(tmp_path / "lightning_logs" / "*" / "metrics.csv"))
+    with open(metrics) as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert losses[-1] < 0.5 * losses[0]
+    assert any(r.get("val/accuracy") for r in rows)
+
+
+@pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml"))), ids=os.path.basename)
+def test_every_recipe_parses_against_the_real_signatures(recipe, monkeypatch):
+    import huggingface_hub.constants
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # hub ids are not fetched when parsing
+
+    cli = LightningCLI(CausalLMModule, TextDataModule, run=False, args=["--config", recipe],
+                       trainer_defaults={"strategy": "slideformer"})  # fmt: skip
+    assert isinstance(cli.model, CausalLMModule)
+    assert cli.model.model is None  # nothing loaded by parsing
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--model.no_such_key", "1"], "no_such_key"),
+        (["--data.path", "/nonexistent/data.jsonl"], "no such file"),
+        (["--model.config", "null", "--model.model", "./no/such/model"], "no such directory"),
+        (["--model.lora", '{"target_modules": ["nope_proj"]}'], "nope_proj"),
+    ],
+)
+def test_bad_input_is_one_clear_message_and_a_nonzero_exit(tmp_path, capsys, override, message):
+    args = ["fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--trainer.max_steps", "1",
+            "--trainer.default_root_dir", str(tmp_path), *override]  # fmt: skip
+    with pytest.raises((SystemExit, ValueError, FileNotFoundError)) as info:
+        slide(args)
+    if info.type is SystemExit:
+        assert info.value.code not in (0, None)
+        assert message in capsys.readouterr().err
+    else:
+        assert message in str(info.value)
+    assert not any(tmp_path.iterdir())  # nothing written
