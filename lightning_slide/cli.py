@@ -2,9 +2,12 @@
 SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by default.
 
     slide fit --config recipes/quickstart.yaml --trainer.max_steps 20
+    slide export --config recipes/quickstart.yaml --ckpt_path <checkpoint> --out <directory>
 """
 
 from __future__ import annotations
+
+import sys
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -14,6 +17,11 @@ from .module import CausalLMModule
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``slide`` and ``python -m lightning_slide``."""
+    if (sys.argv[1:] if args is None else args)[:1] == ["export"]:
+        from .export import export
+
+        export((sys.argv[1:] if args is None else args)[1:])
+        return
     LightningCLI(
         CausalLMModule,
         TextDataModule,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import lightning as L
@@ -75,7 +75,9 @@ class CausalLMModule(L.LightningModule):
             )
         if lora is not None:
             _check_lora_targets(model, config, lora)
-        self.save_hyperparameters()
+        # NOTE: plain data only, so that checkpoints load with torch.load(weights_only=True)
+        self.save_hyperparameters(ignore=["lora"])
+        self.hparams["lora"] = asdict(lora) if lora is not None else None
         self.source, self.config_dict, self.lora = model, config, lora
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio

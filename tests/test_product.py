@@ -212,3 +212,81 @@ def test_bad_input_is_one_clear_message_and_a_nonzero_exit(tmp_path, capsys, ove
     else:
         assert message in str(info.value)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+# ---- checkpoints and export ---------------------------------------------------------------------------------------
+
+
+def _fit_quickstart(root, *extra):
+    """The quickstart recipe, shrunk for the interpreter, with checkpoints; returns the last checkpoint's path."""
+    slide(["fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--trainer.max_steps", "3",
+           "--trainer.default_root_dir", str(root), "--trainer.enable_checkpointing", "true",
+           "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "3", "--data.seq_len", "32",
+           "--data.batch_size", "2", *extra])  # fmt: skip
+    (ckpt,) = glob.glob(str(root / "lightning_logs" / "*" / "checkpoints" / "*.ckpt"))
+    return ckpt
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_export_round_trip_gives_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ckpt = _fit_quickstart(tmp_path / "run")
+    slide(["export", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--ckpt_path", ckpt,
+           "--out", str(tmp_path / "hf")])  # fmt: skip
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    module = CausalLMModule(config=dict(TINY, hidden_size=128, intermediate_size=344, max_position_embeddings=256))
+    module.configure_model()
+    module.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"])
+    ids = torch.randint(0, 262, (2, 17))
+    torch.testing.assert_close(_logits(exported, ids), _logits(module.causal_lm, ids), rtol=0, atol=0)
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_lora_adapter_export_loads_back_with_peft_and_resume_works(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(TINY, hidden_size=128, intermediate_size=344, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(tmp_path / "base")
+    lora = ["--model.config", "null", "--model.model", str(tmp_path / "base"), "--model.lora.r", "4",
+            "--model.lora.dropout", "0.1"]  # fmt: skip
+    ckpt = _fit_quickstart(tmp_path / "run", *lora)
+    # resuming loads the checkpoint with torch.load(weights_only=True) (no pickled classes in it) and continues
+    resumed = _fit_quickstart(tmp_path / "resumed", *lora, "--ckpt_path", ckpt, "--trainer.max_steps", "5",
+                              "--trainer.val_check_interval", "1", "--trainer.callbacks+=ModelCheckpoint",
+                              "--trainer.callbacks.save_top_k=1", "--trainer.callbacks.monitor=step",
+                              "--trainer.callbacks.mode=max")  # fmt: skip
+    assert resumed.endswith("step=5.ckpt")
+    (metrics,) = glob.glob(str(tmp_path / "resumed" / "lightning_logs" / "*" / "metrics.csv"))
+    with open(metrics) as f:
+        assert min(int(r["step"]) for r in csv.DictReader(f)) >= 3  # it continued from step 3
+    (run_config,) = glob.glob(str(tmp_path / "run" / "lightning_logs" / "*" / "config.yaml"))  # with overrides
+    slide(["export", "--config", run_config, "--ckpt_path", ckpt, "--out", str(tmp_path / "adapter")])
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    module = CausalLMModule(model=str(tmp_path / "base"), lora=LoRA(r=4, dropout=0.1))
+    module.configure_model()
+    module.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"])
+    reloaded.eval(), module.eval()
+    ids = torch.randint(0, 262, (2, 17))
+    lora_b = [p for n, p in module.model.named_parameters() if "lora_B" in n]
+    assert any(p.abs().sum() > 0 for p in lora_b)  # the adapters were trained (B starts at zero)
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(module.model, ids), rtol=0, atol=0)
+
+
+def test_export_refuses_to_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    (tmp_path / "x.ckpt").write_bytes(b"")
+    with pytest.raises(SystemExit) as info:
+        slide(["export", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--ckpt_path",
+               str(tmp_path / "x.ckpt"), "--out", str(tmp_path / "out")])  # fmt: skip
+    assert info.value.code != 0
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"

@@ -1,0 +1,48 @@
+"""``slide export``: a trained checkpoint to a Hugging Face directory (``save_pretrained``: config, safetensors
+weights, tokenizer) or, for LoRA runs, a peft adapter directory (or the merged model with ``--merge_lora``).
+
+    slide export --config recipes/quickstart.yaml --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt \\
+        --out exported/
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+
+def export(args: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="slide export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run's config.yaml (next to its logs) or its recipe")
+    parser.add_argument("--ckpt_path", required=True, help="a Lightning checkpoint of that run")
+    parser.add_argument("--out", required=True, help="a new (or empty) directory to write")
+    parser.add_argument("--merge_lora", action="store_true", help="LoRA runs: write the merged model, not the adapter")
+    opts = parser.parse_args(args)
+    if not os.path.isfile(opts.ckpt_path):
+        parser.error(f"--ckpt_path {opts.ckpt_path!r}: no such file.")
+    if os.path.exists(opts.out) and (not os.path.isdir(opts.out) or os.listdir(opts.out)):
+        parser.error(f"--out {opts.out!r} exists and is not an empty directory; nothing is overwritten.")
+
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+
+    from .data import TextDataModule
+    from .module import CausalLMModule
+
+    with open(opts.config) as f:
+        config = yaml.safe_load(f)
+    # a recipe, or the config.yaml a run saved next to its logs (with its overrides; minus fit's own keys)
+    config = {k: v for k, v in config.items() if k in ("seed_everything", "trainer", "model", "data")}
+    cli = LightningCLI(CausalLMModule, TextDataModule, run=False, args=config)
+    module, data = cli.model, cli.datamodule
+    module.configure_model()
+    checkpoint = torch.load(opts.ckpt_path, map_location="cpu", weights_only=True)  # no arbitrary unpickling
+    module.load_state_dict(checkpoint["state_dict"])
+    model = module.model
+    if module.lora is not None and opts.merge_lora:
+        model = model.merge_and_unload()
+    model.save_pretrained(opts.out)  # safetensors; a peft model writes its adapter
+    data._load_tokenizer().save_pretrained(opts.out)
+    print(f"wrote {opts.out}")
