@@ -24,7 +24,7 @@ from typing_extensions import override
 from .attention import use_slide_attention
 from .engine import SlideEngine
 from .loss import causal_lm_loss
-from .models import disable_hf_checkpointing, find_layout, install_causal_lm_loss
+from .models import Layout, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .precision import SlideFormerPrecision
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             skips that optimizer step.
         cpu_threads: threads of the CPU optimizer; ``None``: all cores but one on CUDA (the other feeds the GPU),
             torch's default on the CPU.
+        frozen_in_compute_dtype: under bf16-mixed, keep the frozen weight matrices of the blocks and the head (a
+            LoRA base) in bf16 on the host: half the memory, and exactly the values bf16 compute reads. The
+            module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
         attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
             (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
             ``"slide"`` requires it, ``None`` keeps the model's own. Restored when training ends.
@@ -66,6 +69,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         blocks: str | None = None,
         update_schedule: Literal["auto", "backward", "forward"] = "auto",
         install_loss: bool = True,
+        frozen_in_compute_dtype: bool = True,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
         attention: Literal["auto", "slide"] | None = "auto",
@@ -89,6 +93,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.blocks = blocks
         self.update_schedule = update_schedule
         self.install_loss = install_loss
+        self.frozen_in_compute_dtype = frozen_in_compute_dtype
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
@@ -188,6 +193,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
         )
         self.precision_plugin.engine = self.engine
+        dtype = self.precision_plugin.compute_dtype
+        if self.frozen_in_compute_dtype and dtype != torch.float32:  # after the engine's checks, before pinning
+            _store_frozen(layout, dtype)
         self.engine.setup()
         if self.install_loss and layout.causal_lm is not None:
             engine = self.engine
@@ -301,6 +309,17 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 cls,
                 description="SlideFormer: blocks slide through the GPU, the optimizer steps on the CPU",
             )
+
+
+def _store_frozen(layout: Layout, dtype: torch.dtype) -> None:
+    # Frozen matrices of the blocks and the head take the compute dtype on the host; the embedding (streamed by
+    # fp32 rows) and anything tied to it keep fp32.
+    keep = set(layout.embedding[1].parameters()) if layout.embedding is not None else set()
+    modules = [m for _, m in layout.blocks] + ([layout.head[1]] if layout.head is not None else [])
+    for module in modules:
+        for p in module.parameters():
+            if not p.requires_grad and p.dim() >= 2 and p.dtype == torch.float32 and p not in keep:
+                p.data = p.data.to(dtype)
 
 
 @contextmanager

@@ -90,8 +90,18 @@ def test_lora_bf16_within_twice_plain_peft_bf16_error():
     lora = LoRA(r=4, alpha=8, dropout=0.1)
     ref32, _, _ = train(lora=lora)
     plain16, _, _ = train(lora=lora, precision="bf16-mixed")
-    ours16, _, _ = train(SlideFormerStrategy(num_slots=2), lora=lora, precision="bf16-mixed")
+    ours16, module, _ = train(SlideFormerStrategy(num_slots=2), lora=lora, precision="bf16-mixed")
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
+    # the frozen base was stored in bf16 on the host (2 bytes per parameter), the embedding kept fp32 rows ...
+    base = module.causal_lm.model
+    assert base.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
+    assert base.embed_tokens.weight.dtype == torch.float32
+    # ... and that changed nothing: bf16 compute reads exactly those values either way
+    fp32_store, _, _ = train(SlideFormerStrategy(num_slots=2, frozen_in_compute_dtype=False), lora=lora,
+                             precision="bf16-mixed")  # fmt: skip
+    adapters = [k for k in ours16 if "lora_" in k]
+    assert adapters
+    assert all(torch.equal(ours16[k], fp32_store[k]) for k in adapters)
 
 
 def test_model_from_a_local_directory(tmp_path):

@@ -226,13 +226,15 @@ class SlideEngine:
             params = [p for p, o in zip(unit.params, unit.owner) if o is unit]
             if not params or all(p.is_pinned() for p in params):  # e.g. a second fit() of the same module
                 continue
-            flat = self.transfer.host_empty(sum(p.numel() for p in params))
-            offset = 0
-            for p in params:
-                view = flat[offset : offset + p.numel()].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-                offset += p.numel()
+            for dtype in dict.fromkeys(p.dtype for p in params):  # fp32 masters; bf16 frozen weights
+                group = [p for p in params if p.dtype == dtype]
+                flat = self.transfer.host_empty(sum(p.numel() for p in group), dtype)
+                offset = 0
+                for p in group:
+                    view = flat[offset : offset + p.numel()].view(p.shape)
+                    view.copy_(p.data)
+                    p.data = view
+                    offset += p.numel()
 
     def _patch(self) -> None:
         for unit in self.blocks:

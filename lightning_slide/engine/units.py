@@ -45,10 +45,14 @@ class Unit:
                 self.entries.append((sub, attr, index[param]))
         self.dtypes = [compute_dtype if p.dim() >= 2 else torch.float32 for p in self.params]
         self.trainable = [p.requires_grad for p in self.params]
-        self.master_bytes = sum(p.numel() * p.element_size() for p in self.params)  # what one upload reads
         self.owner: list[Unit] = [self] * len(self.params)  # who streams each gradient (tied weights: one owner)
         self.update_done: Future | None = None  # the last scheduled update of the params this unit owns
         self.version = 0  # bumped whenever an update of any of its params is scheduled
+
+    @property
+    def master_bytes(self) -> int:
+        """What one upload reads from the host."""
+        return sum(p.numel() * p.element_size() for p in self.params)
 
     @property
     def numel(self) -> dict[torch.dtype, int]:
