@@ -11,6 +11,7 @@ from .engine import NonFiniteGradientError, PinnedMemoryError
 from .kernels import fused_linear_cross_entropy
 from .loss import causal_lm_loss
 from .module import CausalLMModule, LoRA
+from .monitor import SlideMonitor
 from .precision import SlideFormerPrecision
 from .strategy import SlideFormerStrategy
 
@@ -25,6 +26,7 @@ __all__ = [
     "PinnedMemoryError",
     "SlideFormerPrecision",
     "SlideFormerStrategy",
+    "SlideMonitor",
     "TextDataModule",
     "causal_lm_loss",
     "fused_linear_cross_entropy",

@@ -1,5 +1,6 @@
 """The ``slide`` command: Lightning's CLI over :class:`CausalLMModule` and :class:`TextDataModule`, with the
-SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by default.
+SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by default, and the
+:class:`SlideMonitor` callback (tokens/s, MFU, memory on the progress bar) on.
 
     slide fit --config recipes/quickstart.yaml --trainer.max_steps 20
     slide export --config recipes/quickstart.yaml --ckpt_path <checkpoint> --out <directory>
@@ -13,6 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from .data import TextDataModule
 from .module import CausalLMModule
+from .monitor import SlideMonitor
 
 
 def main(args: list[str] | None = None) -> None:
@@ -25,7 +27,7 @@ def main(args: list[str] | None = None) -> None:
     LightningCLI(
         CausalLMModule,
         TextDataModule,
-        trainer_defaults={"strategy": "slideformer"},
+        trainer_defaults={"strategy": "slideformer", "callbacks": [SlideMonitor()]},
         save_config_kwargs={"overwrite": True},
         args=args,
     )

@@ -16,6 +16,7 @@ from lightning_slide import SlideFormerStrategy
 from lightning_slide.cli import main as slide
 from lightning_slide.data import IGNORE, TextDataModule, builtin_tokenizer, pack, tokenize
 from lightning_slide.module import CausalLMModule, LoRA
+from lightning_slide.monitor import SlideMonitor, dense_bf16_peak
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -112,6 +113,26 @@ def test_model_from_a_local_directory(tmp_path):
     _, module, metrics = train(SlideFormerStrategy(num_slots=2), model=str(tmp_path), steps=2)
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert type(module.causal_lm).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+     ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40", 181e12),
+     ("Some Future GPU", None)],
+)  # fmt: skip
+def test_dense_bf16_peaks_by_device_name(name, peak):
+    assert dense_bf16_peak(name) == peak
+
+
+def test_monitor_logs_throughput_and_memory_and_prints_a_summary(caplog):
+    with caplog.at_level("INFO"):
+        _, _, metrics = train(SlideFormerStrategy(num_slots=2), steps=4, accumulate_grad_batches=2,
+                              callbacks=[SlideMonitor()])  # fmt: skip
+    assert metrics["perf/tokens_per_s"] > 0
+    assert 0 < metrics["mem/host_gib"] < 64
+    assert "perf/mfu" not in metrics  # no GPU peak on the CPU
+    assert "window: 2 slots for 4 blocks" in caplog.text
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------
