@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 IGNORE = -100
 BUILTIN_CHAT_TEMPLATE = (
@@ -145,6 +145,37 @@ class _Rows(Dataset):
         return {k: v[i] for k, v in self.rows.items()}
 
 
+class ResumableSampler(Sampler[int]):
+    """A seeded shuffle per epoch (the same order on every run) that can start part-way into one epoch.
+
+    Args:
+        size: the dataset's length.
+        seed: with the epoch number, fixes each epoch's order.
+        resume: ``(epoch, samples)``: that epoch starts after its first ``samples`` samples.
+    """
+
+    def __init__(self, size: int, seed: int, resume: tuple[int, int] | None = None) -> None:
+        self.size, self.seed, self.resume = size, seed, resume
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this at every epoch start
+        self.epoch = epoch
+
+    def _skip(self) -> int:
+        return self.resume[1] if self.resume is not None and self.resume[0] == self.epoch else 0
+
+    def __len__(self) -> int:
+        # NOTE: the whole epoch, also when resuming: Lightning's epoch loop restores its batch count and runs to
+        # the end of the (shorter) iteration; a shorter length would end the epoch early.
+        return self.size
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        order = torch.randperm(self.size, generator=generator)[self._skip() :].tolist()
+        self.resume = None  # only the first pass after a resume skips
+        return iter(order)
+
+
 class TextDataModule(L.LightningDataModule):
     """JSONL documents, tokenized and packed into rows, with a train/validation split.
 
@@ -156,6 +187,9 @@ class TextDataModule(L.LightningDataModule):
         batch_size: rows per batch.
         val_fraction: share of documents held out for validation (0: no validation).
         seed: seed of the split and the shuffling.
+
+    A run resumed from a checkpoint taken mid-epoch continues with exactly the batches it had not yet seen
+    (the checkpoint records the epoch and how many batches of it were consumed).
     """
 
     def __init__(
@@ -182,6 +216,7 @@ class TextDataModule(L.LightningDataModule):
         self.tokenizer = None
         self.train_rows: dict[str, Tensor] | None = None
         self.val_rows: dict[str, Tensor] | None = None
+        self._resume: dict[str, int] | None = None
 
     def setup(self, stage: str) -> None:
         if self.train_rows is not None:
@@ -208,8 +243,19 @@ class TextDataModule(L.LightningDataModule):
         return AutoTokenizer.from_pretrained(os.path.expanduser(self.tokenizer_name))
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(_Rows(self.train_rows), batch_size=self.batch_size, shuffle=True, generator=generator)
+        resume = None
+        if self._resume is not None:
+            resume, self._resume = (self._resume["epoch"], self._resume["batches"] * self.batch_size), None
+        sampler = ResumableSampler(len(self.train_rows["input_ids"]), self.seed, resume)
+        return DataLoader(_Rows(self.train_rows), batch_size=self.batch_size, sampler=sampler)
+
+    def state_dict(self) -> dict[str, int]:
+        """Saved in checkpoints: the epoch, and how many of its batches training has consumed."""
+        progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+        return {"epoch": self.trainer.current_epoch, "batches": progress.processed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_rows is None:

@@ -312,6 +312,34 @@ def test_lora_adapter_export_loads_back_with_peft_and_resume_works(tmp_path):
     torch.testing.assert_close(_logits(reloaded, ids), _logits(module.model, ids), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("stop", [5, 12], ids=["mid-epoch", "next-epoch"])
+def test_resume_mid_epoch_continues_exactly(tmp_path, stop):
+    # 24 short documents, 23 for training, packed into 21 rows: 6 batches of 4 per epoch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i:02d} says {'abcdefghij'[i % 10] * 9}."}) + "\n"
+                            for i in range(24)))  # fmt: skip
+
+    def run(steps, ckpt_path=None, root=None):
+        L.seed_everything(0, verbose=False)
+        module = CausalLMModule(config=TINY, lr=1e-2, warmup_steps=2)
+        data = TextDataModule(path=str(path), seq_len=32, batch_size=4, val_fraction=0.04)
+        saver = ModelCheckpoint(dirpath=root, every_n_train_steps=3, save_top_k=-1) if root else None
+        trainer = L.Trainer(strategy=SlideFormerStrategy(num_slots=2), accelerator="cpu", max_steps=steps,
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0, enable_checkpointing=saver is not None,
+                            callbacks=[saver] if saver else None)  # fmt: skip
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+        assert len(data.train_dataloader()) == 6  # batches per epoch: step 3 is mid-epoch, step 12 in epoch 2
+        return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+
+    straight = run(stop, root=tmp_path / "ckpts")
+    resumed = run(stop, ckpt_path=str(tmp_path / "ckpts" / "epoch=0-step=3.ckpt"))
+    err, where = max_rel_error(resumed, straight)
+    assert err == 0, f"{where}: {err:.2e}"
+
+
 def test_export_refuses_to_overwrite(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
