@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .attention import use_slide_attention
+from .checkpoint_io import SlideCheckpointIO
 from .engine import SlideEngine
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_checkpointing, find_layout, install_causal_lm_loss
@@ -88,7 +89,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         if attention not in ("auto", "slide", None):
             raise ValueError(f"attention must be 'auto', 'slide' or None; got {attention!r}.")
         self._parallel_devices: list[torch.device] = []
-        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io or SlideCheckpointIO(),  # streamed and atomic
+            precision_plugin=precision_plugin,
+        )
         self.num_slots = num_slots
         self.blocks = blocks
         self.update_schedule = update_schedule

@@ -187,3 +187,45 @@ def test_auto_attention_on_cuda_bf16_is_slide_and_within_twice_plain_bf16_error(
                     callbacks=[look])  # fmt: skip
     assert seen == {"slide"}
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
+
+
+def test_checkpoints_are_streamed_atomic_and_loaded_without_pickled_code(tmp_path, monkeypatch):
+    import lightning.fabric.utilities.cloud_io as cloud_io
+
+    from lightning_slide.checkpoint_io import SlideCheckpointIO
+
+    def in_memory_copy(*args, **kwargs):
+        raise AssertionError("the checkpoint was serialized into memory first")
+
+    monkeypatch.setattr(cloud_io, "_atomic_save", in_memory_copy)  # Lightning's default path
+    io = SlideCheckpointIO()
+    path = tmp_path / "run" / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "step": 1}, path)
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.ones(3))
+
+    real_save = torch.save
+
+    def crash(obj, f, *args, **kwargs):
+        real_save({"half": torch.zeros(1000)}, f)
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(3)}, "step": 2}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert io.load_checkpoint(path)["step"] == 1  # the previous checkpoint is intact
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no partial file left
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("arbitrary code ran",))
+
+    real_save({"evil": Payload()}, tmp_path / "evil.ckpt")
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        io.load_checkpoint(tmp_path / "evil.ckpt")
+
+
+def test_the_strategy_checkpoints_through_slide_checkpoint_io():
+    from lightning_slide.checkpoint_io import SlideCheckpointIO
+
+    assert isinstance(SlideFormerStrategy().checkpoint_io, SlideCheckpointIO)
