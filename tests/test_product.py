@@ -349,3 +349,16 @@ def test_export_refuses_to_overwrite(tmp_path):
                str(tmp_path / "x.ckpt"), "--out", str(tmp_path / "out")])  # fmt: skip
     assert info.value.code != 0
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_the_notebook_executes(monkeypatch):
+    import nbclient
+    import nbformat
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernel runs as a user's would
+    notebook = nbformat.read(os.path.join(ROOT, "recipes", "notebook.ipynb"), as_version=4)
+    nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": ROOT}}
+    ).execute()
+    outputs = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
+    assert "val/accuracy" in outputs
