@@ -141,8 +141,34 @@ class _Rows(Dataset):
     def __len__(self) -> int:
         return len(self.rows["input_ids"])
 
-    def __getitem__(self, i: int) -> dict[str, Tensor]:
-        return {k: v[i] for k, v in self.rows.items()}
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Tensor]:
+        if isinstance(key, tuple):  # (row, target tokens of the row's whole optimizer step): training batches
+            i, step_tokens = key
+            return {**{k: v[i] for k, v in self.rows.items()}, "step_tokens": torch.tensor(step_tokens)}
+        return {k: v[key] for k, v in self.rows.items()}
+
+
+class _StepBatches(Sampler[list[tuple[int, int]]]):
+    """Batches in the sampler's order; each row comes with the number of target tokens in all the batches of its
+    optimizer step (``accumulate`` batches), so a loss can be normalized by the whole step's token count."""
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, accumulate: int, targets: Tensor) -> None:
+        self.sampler, self.batch_size, self.accumulate, self.targets = sampler, batch_size, accumulate, targets
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this at every epoch start
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self):
+        order = list(self.sampler)
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        for g in range(0, len(batches), self.accumulate):
+            group = batches[g : g + self.accumulate]
+            total = int(sum(self.targets[i] for batch in group for i in batch))
+            for batch in group:
+                yield [(i, total) for i in batch]
 
 
 class ResumableSampler(Sampler[int]):
@@ -189,7 +215,9 @@ class TextDataModule(L.LightningDataModule):
         seed: seed of the split and the shuffling.
 
     A run resumed from a checkpoint taken mid-epoch continues with exactly the batches it had not yet seen
-    (the checkpoint records the epoch and how many batches of it were consumed).
+    (the checkpoint records the epoch and how many batches of it were consumed). Training batches also carry
+    ``step_tokens``: the target tokens of the whole optimizer step they belong to (see
+    ``CausalLMModule(normalize="step")``).
     """
 
     def __init__(
@@ -247,7 +275,10 @@ class TextDataModule(L.LightningDataModule):
         if self._resume is not None:
             resume, self._resume = (self._resume["epoch"], self._resume["batches"] * self.batch_size), None
         sampler = ResumableSampler(len(self.train_rows["input_ids"]), self.seed, resume)
-        return DataLoader(_Rows(self.train_rows), batch_size=self.batch_size, sampler=sampler)
+        targets = (self.train_rows["labels"][:, 1:] != IGNORE).sum(1)  # what each row's loss is summed over
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        batches = _StepBatches(sampler, self.batch_size, accumulate, targets)
+        return DataLoader(_Rows(self.train_rows), batch_sampler=batches)
 
     def state_dict(self) -> dict[str, int]:
         """Saved in checkpoints: the epoch, and how many of its batches training has consumed."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -48,6 +48,10 @@ class CausalLMModule(L.LightningModule):
         betas: AdamW betas.
         warmup_steps: linear warm-up steps, then cosine decay to ``min_lr_ratio * lr`` at the last step.
         min_lr_ratio: the final learning rate as a fraction of ``lr``.
+        normalize: ``"batch"``: each micro-batch's loss is its mean over its target tokens (Lightning then averages
+            the micro-batches of an accumulation step); ``"step"``: the step's summed token losses are divided by
+            the step's total target tokens (every token weighs the same; needs ``step_tokens`` in the batch, as
+            :class:`~lightning_slide.TextDataModule` provides).
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class CausalLMModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
+        normalize: Literal["batch", "step"] = "batch",
     ) -> None:
         super().__init__()
         if (model is None) == (config is None):
@@ -73,6 +78,8 @@ class CausalLMModule(L.LightningModule):
                 f"lr must be > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got {lr}, {warmup_steps},"
                 f" {min_lr_ratio}."
             )
+        if normalize not in ("batch", "step"):
+            raise ValueError(f"normalize must be 'batch' or 'step'; got {normalize!r}.")
         if lora is not None:
             _check_lora_targets(model, config, lora)
         # NOTE: plain data only, so that checkpoints load with torch.load(weights_only=True)
@@ -80,7 +87,7 @@ class CausalLMModule(L.LightningModule):
         self.hparams["lora"] = asdict(lora) if lora is not None else None
         self.source, self.config_dict, self.lora = model, config, lora
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
-        self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
+        self.warmup_steps, self.min_lr_ratio, self.normalize = warmup_steps, min_lr_ratio, normalize
         self.model: nn.Module | None = None
         self.val_loss, self.val_correct, self.val_tokens = SumMetric(), SumMetric(), SumMetric()
 
@@ -119,9 +126,17 @@ class CausalLMModule(L.LightningModule):
     # ---- steps ---------------------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.token_losses(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        if self.normalize == "batch":
+            loss = self.token_losses(batch)
+            self.log("train/loss", loss, prog_bar=True)
+            return loss
+        if "step_tokens" not in batch:
+            raise ValueError("normalize='step' needs 'step_tokens' in each batch (TextDataModule provides it).")
+        total = self.token_losses(batch, reduction="sum")
+        self.log("train/loss", total / (batch["labels"][:, 1:] != -100).sum().clamp_min(1), prog_bar=True)
+        # Lightning divides each micro-batch's loss by the accumulation count; undo that, so the step's gradient
+        # is that of its summed token losses over its token count
+        return total / batch["step_tokens"][0].clamp_min(1) * self.trainer.accumulate_grad_batches
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         total, correct = self.token_losses(batch, reduction="sum", return_correct=True)

@@ -115,6 +115,36 @@ def test_model_from_a_local_directory(tmp_path):
     assert type(module.causal_lm).__name__ == "LlamaForCausalLM"
 
 
+def test_step_normalization_weighs_every_token_of_the_accumulation_step_equally():
+    # The micro-batch losses Lightning sums (each divided by the accumulation count) must add up to the mean
+    # token loss of the whole step, computed here from full logits.
+    seen = []
+
+    class Capture(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append((outputs["loss"].item(), {k: v.clone() for k, v in batch.items()}))
+
+    L.seed_everything(0, verbose=False)
+    module = CausalLMModule(config=TINY, normalize="step", lr=1e-9)
+    data = TextDataModule(seq_len=32, batch_size=4, val_fraction=0)
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, accumulate_grad_batches=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Capture()])  # fmt: skip
+    trainer.fit(module, data)
+    assert len(seen) == 3
+    total = tokens = 0.0
+    with torch.no_grad():
+        for _, batch in seen:
+            logits = module.causal_lm(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                      use_cache=False).logits  # fmt: skip
+            target = batch["labels"][:, 1:]
+            losses = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), target, reduction="none")
+            total += losses[target != IGNORE].sum().item()
+            tokens += (target != IGNORE).sum().item()
+    assert all(b["step_tokens"].eq(tokens).all() for _, b in seen)
+    assert sum(loss for loss, _ in seen) == pytest.approx(total / tokens, rel=1e-4)  # (outputs are divided by 3)
+
+
 @pytest.mark.parametrize(
     ("name", "peak"),
     [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
@@ -172,7 +202,7 @@ def test_jsonl_text_and_messages(tmp_path):
     data = TextDataModule(path=str(path), seq_len=16, batch_size=2, val_fraction=0.2)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", "step_tokens"}
     assert batch["input_ids"].shape == (2, 16)
     assert data.val_rows is not None
 
