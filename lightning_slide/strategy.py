@@ -18,12 +18,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
 from .engine import SlideEngine
+from .engine.planner import available_host_bytes, check_host, locked_memory_limit
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .precision import SlideFormerPrecision
@@ -199,8 +201,12 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         )
         self.precision_plugin.engine = self.engine
         dtype = self.precision_plugin.compute_dtype
-        if self.frozen_in_compute_dtype and dtype != torch.float32:  # after the engine's checks, before pinning
-            _store_frozen(layout, dtype)
+        frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
+        plan = self.engine.host_plan({p: torch.empty((), dtype=dtype).element_size() for p in frozen})
+        log.info("SlideFormer %s", plan.describe())
+        check_host(plan, available_host_bytes(), locked_memory_limit() if cuda else None)
+        for p in frozen:  # after every check, before pinning
+            p.data = p.data.to(dtype)
         self.engine.setup()
         if self.install_loss and layout.causal_lm is not None:
             engine = self.engine
@@ -316,15 +322,13 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             )
 
 
-def _store_frozen(layout: Layout, dtype: torch.dtype) -> None:
-    # Frozen matrices of the blocks and the head take the compute dtype on the host; the embedding (streamed by
-    # fp32 rows) and anything tied to it keep fp32.
+def _frozen_to_store(layout: Layout) -> list[nn.Parameter]:
+    # Frozen fp32 matrices of the blocks and the head, to be kept in the compute dtype on the host; the embedding
+    # (streamed by fp32 rows) and anything tied to it keep fp32.
     keep = set(layout.embedding[1].parameters()) if layout.embedding is not None else set()
     modules = [m for _, m in layout.blocks] + ([layout.head[1]] if layout.head is not None else [])
-    for module in modules:
-        for p in module.parameters():
-            if not p.requires_grad and p.dim() >= 2 and p.dtype == torch.float32 and p not in keep:
-                p.data = p.data.to(dtype)
+    params = dict.fromkeys(p for m in modules for p in m.parameters())
+    return [p for p in params if not p.requires_grad and p.dim() >= 2 and p.dtype == torch.float32 and p not in keep]
 
 
 @contextmanager

@@ -163,6 +163,7 @@ def test_monitor_logs_throughput_and_memory_and_prints_a_summary(caplog):
     assert 0 < metrics["mem/host_gib"] < 64
     assert "perf/mfu" not in metrics  # no GPU peak on the CPU
     assert "window: 2 slots for 4 blocks" in caplog.text
+    assert "host memory plan: parameters (masters)" in caplog.text
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------

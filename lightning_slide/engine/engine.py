@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
 from .optim import CpuOptimizer
+from .planner import HostPlan, plan_host
 from .transfer import Transfer
 from .units import DeviceBuffer, Unit, max_sizes
 from .worker import CpuWorker
@@ -185,6 +186,23 @@ class SlideEngine:
 
         own = sum(nbytes(u.numel) for u in [self.head, *self.leftovers] if u is not None)
         return self.num_slots * nbytes(max_sizes(self.blocks)) + own + 2 * 4 * self._chunk_numel
+
+    def host_plan(self, stored_sizes: dict[nn.Parameter, int] | None = None) -> HostPlan:
+        """What :meth:`setup` and training will add to host memory (see ``lightning_slide.planner``).
+
+        Args:
+            stored_sizes: element sizes parameters will be stored with, where they differ from now.
+        """
+        owned = [[p for p, o in zip(u.params, u.owner) if o is u] for u in self.units]
+        landing = self._landing_buffers * self._chunk_numel * 4 if self.optimizer is not None else 0
+        return plan_host(
+            owned,
+            self.optimizer.optimizer if self.optimizer is not None else None,
+            retain_grads=self._retain,
+            landing_bytes=landing,
+            pinned=self.device.type == "cuda",
+            frozen_bytes_per_element=stored_sizes,
+        )
 
     def setup(self) -> None:
         """Pin the masters, allocate the window, and route the modules' forwards through the engine."""

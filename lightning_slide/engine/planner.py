@@ -1,0 +1,124 @@
+"""The host-memory plan of a SlideFormer run, computed before anything is pinned or allocated, and checked against
+the machine: the RAM the process may still take and the locked-memory limit (``ulimit -l``) for pinned buffers.
+
+What the run adds to the host on top of the model it was given (whose parameters are already in RAM):
+optimizer state (AdamW/Adam: 8 bytes per trainable parameter, +4 with amsgrad; SGD with momentum: 4), retained
+gradients (4 bytes per trainable parameter with the "forward" schedule or gradient accumulation), the landing
+buffers of gradients in flight, and, while the masters are pinned unit by unit, one unit's copy at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Host bytes of a run, by purpose."""
+
+    masters: int  # parameters as stored on the host (frozen matrices in bf16 when they are stored so)
+    optimizer_state: int
+    retained_grads: int
+    landing: int
+    largest_unit: int  # the transient copy while a unit's masters move into pinned memory
+    pinned: int  # of the above, what must be page-locked (CUDA only)
+
+    @property
+    def added(self) -> int:
+        """What the run allocates beyond the model already in memory."""
+        return self.optimizer_state + self.retained_grads + self.landing + self.largest_unit
+
+    def describe(self) -> str:
+        rows = [("parameters (masters)", self.masters), ("optimizer state", self.optimizer_state),
+                ("retained gradients", self.retained_grads), ("gradient landing buffers", self.landing)]  # fmt: skip
+        text = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in rows)
+        return f"host memory plan: {text}; {self.pinned / GIB:.2f} GiB of it pinned"
+
+
+def plan_host(
+    units: list[list[nn.Parameter]],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    retain_grads: bool,
+    landing_bytes: int,
+    pinned: bool,
+    frozen_bytes_per_element: dict[nn.Parameter, int] | None = None,
+) -> HostPlan:
+    """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
+
+    Args:
+        frozen_bytes_per_element: element sizes that parameters will be stored with, where they differ from now.
+    """
+    sizes = frozen_bytes_per_element or {}
+
+    def stored(p: nn.Parameter) -> int:
+        return p.numel() * sizes.get(p, p.element_size())
+
+    params = [p for unit in units for p in unit]
+    masters = sum(stored(p) for p in params)
+    groups = optimizer.param_groups if optimizer is not None else []
+    trainable = {p for group in groups for p in group["params"] if p.requires_grad}  # frozen: no state, no grads
+    trainable_bytes = sum(p.numel() * 4 for p in trainable)
+    state = trainable_bytes * _state_per_fp32(optimizer) if optimizer is not None else 0
+    retained = trainable_bytes if retain_grads and optimizer is not None else 0
+    largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
+    locked = masters + retained + landing_bytes if pinned else 0
+    return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked)
+
+
+def _state_per_fp32(optimizer: torch.optim.Optimizer) -> int:
+    # state tensors per parameter, each the size of an fp32 parameter
+    groups = optimizer.param_groups
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if any(g.get("momentum") for g in groups) else 0
+    return 3 if any(g.get("amsgrad") for g in groups) else 2
+
+
+def available_host_bytes() -> int:
+    """RAM this process may still take: the kernel's MemAvailable, within the cgroup's limit if there is one."""
+    available = None
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                available = min(available, int(limit) - int(f.read()))
+    except OSError:
+        pass
+    return available if available is not None else 1 << 62
+
+
+def locked_memory_limit() -> int | None:
+    """The soft ``ulimit -l`` in bytes, or ``None`` if unlimited (root usually is)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+        return None
+    return soft
+
+
+def check_host(plan: HostPlan, available: int, memlock: int | None) -> None:
+    """Raise a clear error if the plan does not fit the machine."""
+    if plan.added > available:
+        raise MemoryError(
+            f"SlideFormer needs {plan.added / GIB:.2f} GiB more host memory but only {available / GIB:.2f} GiB is"
+            f" available ({plan.describe()}). Train fewer parameters (LoRA: CausalLMModule(lora=...)), use SGD"
+            " without momentum, or drop gradient clipping and accumulation (they keep a full fp32 copy of the"
+            f" gradients: {plan.retained_grads / GIB:.2f} GiB); or free RAM."
+        )
+    if memlock is not None and plan.pinned > memlock:
+        raise MemoryError(
+            f"SlideFormer pins {plan.pinned / GIB:.2f} GiB of host memory, but the locked-memory limit (ulimit -l)"
+            f" is {memlock / GIB:.2f} GiB. Raise it (`ulimit -l unlimited`, or memlock in"
+            " /etc/security/limits.conf) and start again."
+        )

@@ -1,0 +1,72 @@
+"""The host-memory plan: computed before anything is pinned, checked against the machine, and true to reality."""
+
+import lightning as L
+import pytest
+
+from helpers import CausalLM, fit, tiny_config
+from lightning_slide import SlideFormerStrategy
+from lightning_slide.engine.planner import HostPlan, check_host
+
+
+@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.5, 1), (None, 2)])
+def test_plan_matches_what_training_allocates(clip, accumulate):
+    seen = {}
+
+    class Measure(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            engine = trainer.strategy.engine
+            seen["plan"] = engine.host_plan()
+            state = trainer.optimizers[0].state.values()
+            seen["state"] = sum(t.numel() * t.element_size() for s in state for t in s.values() if t.dim() > 0)
+            seen["retained"] = sum(t.numel() * t.element_size() for t in engine.router.host.values())
+            seen["masters"] = sum(p.numel() * p.element_size() for p in module.parameters())
+
+    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=2, gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate, callbacks=[Measure()])  # fmt: skip
+    plan = seen["plan"]
+    assert plan.masters == pytest.approx(seen["masters"], rel=0.1)
+    assert plan.optimizer_state == pytest.approx(seen["state"], rel=0.1)
+    assert plan.retained_grads == pytest.approx(seen["retained"], rel=0.1)
+    assert (plan.retained_grads > 0) == (clip is not None or accumulate > 1)
+
+
+def test_too_little_ram_is_refused_before_anything_moves(monkeypatch):
+    import lightning_slide.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: 1 << 16)  # 64 KiB free
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from helpers import token_data
+
+    module = CausalLM(tiny_config("llama"))
+    before = {k: (v.data_ptr(), v.dtype) for k, v in module.state_dict().items()}
+    trainer = L.Trainer(strategy=SlideFormerStrategy(num_slots=2), accelerator="cpu", max_steps=1, logger=False,
+                        enable_checkpointing=False)  # fmt: skip
+    with pytest.raises(MemoryError, match=r"more host memory but only 0\.00 GiB is available.*optimizer state"):
+        trainer.fit(module, DataLoader(TensorDataset(token_data()), batch_size=4))
+    assert {k: (v.data_ptr(), v.dtype) for k, v in module.state_dict().items()} == before
+
+
+def test_locked_memory_limit_is_named():
+    plan = HostPlan(masters=8 << 30, optimizer_state=16 << 30, retained_grads=0, landing=2 << 30,
+                    largest_unit=1 << 30, pinned=10 << 30)  # fmt: skip
+    with pytest.raises(MemoryError, match=r"ulimit -l"):
+        check_host(plan, available=64 << 30, memlock=64 << 20)
+    check_host(plan, available=64 << 30, memlock=None)  # unlimited: fine
+
+
+def test_frozen_bf16_storage_is_planned():
+    from peft import LoraConfig, get_peft_model
+
+    seen = {}
+
+    class Measure(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            seen["plan"] = trainer.strategy.engine.host_plan()
+            seen["masters"] = sum(p.numel() * p.element_size() for p in module.parameters())
+
+    module = CausalLM(tiny_config("llama"))
+    module.model = get_peft_model(module.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", steps=1, callbacks=[Measure()])
+    assert seen["plan"].masters == seen["masters"]
+    assert seen["plan"].optimizer_state == 8 * sum(p.numel() for p in module.parameters() if p.requires_grad)
