@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks in one go (for a GPU machine): the GPU tests, the quickstart on CUDA, and every benchmark, each
+# under a hard time limit, logs and CSV rows written to OUTDIR (default: benchmarks/results/run-<date>).
+#
+#   bash benchmarks/gpu_suite.sh [OUTDIR] [STEPS...]      STEPS: any of tests quickstart flce attention core
+#
+# The package must be importable as lightning_slide (pip install -e ., or PYTHONPATH). Every step is killed at its
+# limit (a stuck Triton compile ignores SIGTERM), and pytest dumps all thread stacks of a test that hangs.
+set -u
+cd "$(dirname "$0")/.."
+out=$(realpath -m "${1:-benchmarks/results/run-$(date +%F)}")
+shift || true
+steps=("${@:-tests quickstart flce attention core}")
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+status=0
+
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  [[ " ${steps[*]} " == *" $name "* ]] || return 0
+  echo "== $name (limit ${limit}s)"
+  timeout -s KILL "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc; last lines:" && tail -n 3 "$out/$name.log"
+  [[ $rc == 0 ]] || status=1
+}
+
+hang=()  # with pytest-timeout, a hanging test dumps every thread's stack instead of eating the limit
+python -c "import pytest_timeout" 2>/dev/null && hang=(--timeout=120 -o timeout_method=thread)
+step tests 300 python -P -m pytest -m gpu -q -p no:cacheprovider -rfE "${hang[@]}"
+step quickstart 180 python -m lightning_slide fit --config recipes/quickstart.yaml --trainer.precision bf16-mixed \
+  --trainer.default_root_dir "$out/quickstart" --trainer.enable_progress_bar false
+cd benchmarks
+step flce 150 python bench_flce.py --out "$out/flce.csv"
+step attention 150 python bench_attention.py --out "$out/attention.csv"
+step core 540 python bench_core.py --out "$out/core.csv"
+exit $status
