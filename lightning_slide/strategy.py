@@ -58,6 +58,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         frozen_in_compute_dtype: under bf16-mixed, keep the frozen weight matrices of the blocks and the head (a
             LoRA base) in bf16 on the host: half the memory, and exactly the values bf16 compute reads. The
             module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
+        offload_activations: keep the inputs each block saves for its recompute in pooled host memory instead of
+            on the GPU, fetched back one block ahead of the backward pass (long contexts).
         attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
             (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
             ``"slide"`` requires it, ``None`` keeps the model's own. Restored when training ends.
@@ -73,6 +75,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         update_schedule: Literal["auto", "backward", "forward"] = "auto",
         install_loss: bool = True,
         frozen_in_compute_dtype: bool = True,
+        offload_activations: bool = False,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
         attention: Literal["auto", "slide"] | None = "auto",
@@ -101,6 +104,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.update_schedule = update_schedule
         self.install_loss = install_loss
         self.frozen_in_compute_dtype = frozen_in_compute_dtype
+        self.offload_activations = offload_activations
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
@@ -198,6 +202,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             num_slots=self.num_slots,
             on_nonfinite=self.on_nonfinite,
             cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
+            offload_activations=self.offload_activations,
         )
         self.precision_plugin.engine = self.engine
         dtype = self.precision_plugin.compute_dtype

@@ -49,6 +49,13 @@ def test_low_arithmetic_intensity_exposes_missing_synchronization(clip):
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_activation_offload_on_cuda_matches(clip):
+    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, offload_activations=True), clip)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
 def test_low_intensity_check_detects_a_missing_wait(monkeypatch):
     from lightning_slide import NonFiniteGradientError
     from lightning_slide.engine.transfer import Transfer

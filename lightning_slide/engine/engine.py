@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .activations import ActivationStash
 from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
 from .optim import CpuOptimizer
@@ -73,6 +74,8 @@ class SlideEngine:
         landing_buffers: host buffers of ``chunk_numel`` fp32 elements for gradients in flight.
         max_queued_grad_bytes: device memory that gradients waiting to be sent may hold before the backward
             pass waits.
+        offload_activations: keep the blocks' saved inputs in pooled host memory between forward and backward
+            (long contexts; see ``activations.py``).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class SlideEngine:
         chunk_numel: int = 1 << 23,
         landing_buffers: int = 64,
         max_queued_grad_bytes: int = 1 << 30,
+        offload_activations: bool = False,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -125,6 +129,8 @@ class SlideEngine:
         self._max_queued_grad_bytes = max_queued_grad_bytes
         self._cpu_threads = cpu_threads
         self._retain = retain_grads or schedule == "forward"
+        self._offload_activations = offload_activations
+        self.activations: ActivationStash | None = None
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self._plan: StepPlan | None = None
         self._order: dict[Unit, None] = {}  # units in the order of the first training forward
@@ -227,6 +233,8 @@ class SlideEngine:
                 max_queued_bytes=self._max_queued_grad_bytes,
             )
         self._ready = True  # from here on, teardown releases what setup made, also if setup fails below
+        if self._offload_activations:
+            self.activations = ActivationStash(self.transfer)
         move_except_parameters(self.model, self.device)
         self._pin_masters()
         ring_sizes = max_sizes(self.blocks)
@@ -423,8 +431,13 @@ class SlideEngine:
 
     # ---- the optimizer step ------------------------------------------------------------------------------------
 
+    def is_block(self, unit: Unit) -> bool:
+        return unit in self._block_index
+
     def begin_step(self, step: int) -> None:
         """``optimizer_step`` was called: the hyperparameters in force now are the ones applied."""
+        if self.activations is not None:
+            self.activations.reset()
         self.worker.raise_if_failed()
         self._plan = StepPlan(step=step, hypers=self.optimizer.snapshot())
 

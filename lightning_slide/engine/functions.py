@@ -92,14 +92,18 @@ class _UnitFunction(Function):
         outs = tuple(flat_out[i] for i in call.out_positions)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         ctx.call = call
-        ctx.save_for_backward(*tensors)
+        if engine.activations is not None and engine.is_block(unit):
+            ctx.offloaded = engine.activations.save(tensors)  # kept in host memory until the backward
+        else:
+            ctx.save_for_backward(*tensors)
         return outs
 
     @staticmethod
     def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
         call: _Call = ctx.call
         engine, unit = call.engine, call.unit
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        saved = engine.activations.load(ctx.offloaded) if hasattr(ctx, "offloaded") else ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:])]
         weights = [w.detach().requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(engine.acquire(unit))]
         with torch.enable_grad(), call.replay():
             out = call.run(inputs, weights)

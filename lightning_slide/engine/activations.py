@@ -1,0 +1,93 @@
+"""Activation offload: the block inputs that recompute needs, kept in pooled host memory between forward and
+backward, and brought back one block ahead of the backward pass.
+
+Only inputs that require grad are moved — the residual stream, unique to each block. Inputs shared by every block
+(rotary tables, masks, position ids) stay where they are. Host buffers come from a pool keyed by size and are
+reused from step to step, so a long context costs no allocation per tensor. On CUDA the copies run on the
+transfer side streams, ordered by events; on the CPU they are plain copies through the same pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .transfer import Transfer
+
+
+@dataclass
+class _Offloaded:
+    raw: Tensor  # the pooled host buffer (uint8), exactly the tensor's bytes
+    shape: torch.Size
+    dtype: torch.dtype
+    saved: object | None  # event: the copy to the host is done
+    back: Tensor | None = None  # the tensor on the device again, once fetched
+    fetched: object | None = None  # event: ``back`` is complete
+
+
+class ActivationStash:
+    """Saves and restores the inputs of managed blocks for their backward pass."""
+
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer = transfer
+        self._free: dict[int, list[tuple[Tensor, object | None]]] = {}  # nbytes -> (buffer, last use)
+        self._pending: list[list] = []  # entries of this step's blocks, in forward order
+
+    def save(self, tensors: tuple[Tensor, ...]) -> list:
+        """What to keep of ``tensors`` for the backward pass: each one, or its offloaded copy."""
+        entries: list = []
+        for t in tensors:
+            if not (t.requires_grad and t.is_floating_point()):
+                entries.append(t)
+                continue
+            src = t.detach().reshape(-1)
+            raw = self._take(src.numel() * src.element_size())
+            with self.transfer.on_download_stream(after=self.transfer.record()):
+                raw.view(src.dtype).copy_(src, non_blocking=True)
+                self.transfer.keep_alive(src)
+                saved = self.transfer.record(self.transfer.download_stream)
+            entries.append(_Offloaded(raw, t.shape, t.dtype, saved))
+        self._pending.append(entries)
+        return entries
+
+    def load(self, entries: list) -> list[Tensor]:
+        """The saved tensors of one block, on the device; starts fetching the block before it (next in backward)."""
+        index = next(i for i, e in enumerate(self._pending) if e is entries)
+        self._fetch(entries)
+        if index > 0:
+            self._fetch(self._pending[index - 1])
+        del self._pending[index]
+        out = []
+        for e in entries:
+            if not isinstance(e, _Offloaded):
+                out.append(e)
+                continue
+            self.transfer.wait(e.fetched)
+            out.append(e.back)
+            self._free.setdefault(e.raw.numel(), []).append((e.raw, e.fetched))
+        return out
+
+    def reset(self) -> None:
+        """Forget saved inputs whose backward never ran (their buffers go back to the pool)."""
+        for entries in self._pending:
+            for e in entries:
+                if isinstance(e, _Offloaded):
+                    self._free.setdefault(e.raw.numel(), []).append((e.raw, e.fetched or e.saved))
+        self._pending.clear()
+
+    def _fetch(self, entries: list) -> None:
+        for e in entries:
+            if isinstance(e, _Offloaded) and e.back is None:
+                e.back = torch.empty(e.shape, dtype=e.dtype, device=self.transfer.device)
+                e.fetched = self.transfer.upload([(e.raw.view(e.dtype).view(e.shape), e.back)], after=e.saved)
+
+    def _take(self, nbytes: int) -> Tensor:
+        free = self._free.get(nbytes)
+        if free:
+            buffer, last_use = free.pop()
+            if last_use is not None:
+                last_use.synchronize()  # its copy back to the device has finished
+            return buffer
+        return self.transfer.host_empty(nbytes, torch.uint8)
