@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -60,6 +62,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
         offload_activations: keep the inputs each block saves for its recompute in pooled host memory instead of
             on the GPU, fetched back one block ahead of the backward pass (long contexts).
+        optimizer_offload: where Adam's moments live between updates: ``"cpu"`` (RAM) or ``"nvme"`` (files under
+            ``nvme_path``, read before each parameter's update and written after it; 8 bytes per trainable
+            parameter less RAM).
+        nvme_path: an existing, writable directory on a fast disk for ``optimizer_offload="nvme"``; ``None``: the
+            ``SLIDE_NVME_PATH`` environment variable.
         attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
             (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
             ``"slide"`` requires it, ``None`` keeps the model's own. Restored when training ends.
@@ -76,6 +83,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         install_loss: bool = True,
         frozen_in_compute_dtype: bool = True,
         offload_activations: bool = False,
+        optimizer_offload: Literal["cpu", "nvme"] = "cpu",
+        nvme_path: str | None = None,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
         attention: Literal["auto", "slide"] | None = "auto",
@@ -93,6 +102,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             raise ValueError(f"cpu_threads must be a positive int or None; got {cpu_threads!r}.")
         if attention not in ("auto", "slide", None):
             raise ValueError(f"attention must be 'auto', 'slide' or None; got {attention!r}.")
+        if optimizer_offload not in ("cpu", "nvme"):
+            raise ValueError(f"optimizer_offload must be 'cpu' or 'nvme'; got {optimizer_offload!r}.")
+        if optimizer_offload == "nvme":
+            nvme_path = _check_nvme_path(nvme_path or os.environ.get("SLIDE_NVME_PATH"))
         self._parallel_devices: list[torch.device] = []
         super().__init__(
             accelerator=accelerator,
@@ -105,6 +118,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.install_loss = install_loss
         self.frozen_in_compute_dtype = frozen_in_compute_dtype
         self.offload_activations = offload_activations
+        self.optimizer_offload = optimizer_offload
+        self.nvme_path = nvme_path if optimizer_offload == "nvme" else None
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
@@ -203,13 +218,15 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             on_nonfinite=self.on_nonfinite,
             cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
             offload_activations=self.offload_activations,
+            nvme_path=self.nvme_path,
         )
         self.precision_plugin.engine = self.engine
         dtype = self.precision_plugin.compute_dtype
         frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
         plan = self.engine.host_plan({p: torch.empty((), dtype=dtype).element_size() for p in frozen})
         log.info("SlideFormer %s", plan.describe())
-        check_host(plan, available_host_bytes(), locked_memory_limit() if cuda else None)
+        disk_free = shutil.disk_usage(self.nvme_path).free if self.nvme_path else None
+        check_host(plan, available_host_bytes(), locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
         self.engine.setup()
@@ -308,13 +325,16 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
         self._wait()
-        return super().optimizer_state(optimizer)
+        state = super().optimizer_state(optimizer)
+        return self.engine.with_offloaded_state(state) if self.engine is not None else state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # Like the base class, minus its move of the state to the root device: the state lives on the CPU.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
+        if self.engine is not None:
+            self.engine.absorb_loaded_state()
 
     @classmethod
     @override
@@ -325,6 +345,29 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 cls,
                 description="SlideFormer: blocks slide through the GPU, the optimizer steps on the CPU",
             )
+        if "slideformer_nvme" not in strategy_registry:
+            strategy_registry.register(
+                "slideformer_nvme",
+                cls,
+                description="SlideFormer with Adam's state on NVMe (directory: $SLIDE_NVME_PATH)",
+                optimizer_offload="nvme",
+            )
+
+
+def _check_nvme_path(path: str | None) -> str:
+    if path is None:
+        raise ValueError(
+            "optimizer_offload='nvme' needs a directory on a fast disk: SlideFormerStrategy(nvme_path=...) or the"
+            " SLIDE_NVME_PATH environment variable."
+        )
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"nvme_path {path!r} does not exist; create the directory first.")
+    if not os.path.isdir(path):
+        raise NotADirectoryError(f"nvme_path {path!r} is not a directory.")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"nvme_path {path!r} is not writable by this user.")
+    return path
 
 
 def _frozen_to_store(layout: Layout) -> list[nn.Parameter]:

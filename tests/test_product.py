@@ -242,11 +242,12 @@ def test_quickstart_recipe_runs_and_loss_falls(tmp_path):
 
 
 @pytest.mark.parametrize("recipe", sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml"))), ids=os.path.basename)
-def test_every_recipe_parses_against_the_real_signatures(recipe, monkeypatch):
+def test_every_recipe_parses_against_the_real_signatures(recipe, monkeypatch, tmp_path):
     import huggingface_hub.constants
     from lightning.pytorch.cli import LightningCLI
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # hub ids are not fetched when parsing
+    monkeypatch.setenv("SLIDE_NVME_PATH", str(tmp_path))  # the NVMe recipe's directory
 
     cli = LightningCLI(CausalLMModule, TextDataModule, run=False, args=["--config", recipe],
                        trainer_defaults={"strategy": "slideformer"})  # fmt: skip

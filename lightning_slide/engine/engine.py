@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from .activations import ActivationStash
 from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
+from .nvme import NvmeStateStore
 from .optim import CpuOptimizer
 from .planner import HostPlan, plan_host
 from .transfer import Transfer
@@ -76,6 +77,8 @@ class SlideEngine:
             pass waits.
         offload_activations: keep the blocks' saved inputs in pooled host memory between forward and backward
             (long contexts; see ``activations.py``).
+        nvme_path: keep Adam's moments in files in a private directory made here (the NVMe tier, ``nvme.py``)
+            instead of in RAM.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class SlideEngine:
         landing_buffers: int = 64,
         max_queued_grad_bytes: int = 1 << 30,
         offload_activations: bool = False,
+        nvme_path: str | None = None,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -123,6 +127,11 @@ class SlideEngine:
         self._check_leftovers()
         self._assign_owners()
         self.optimizer = CpuOptimizer(optimizer) if optimizer is not None else None
+        if nvme_path is not None and self.optimizer is not None and self.optimizer.is_sgd:
+            raise ValueError(
+                "optimizer_offload='nvme' holds Adam/AdamW moments; train SGD with optimizer_offload='cpu'."
+            )
+        self.nvme_path = nvme_path if self.optimizer is not None else None
         self._check_optimizer_params()
         self._chunk_numel = max(chunk_numel, *(_row_numel(p) for u in self.units for p in u.params))
         self._landing_buffers = landing_buffers
@@ -193,6 +202,40 @@ class SlideEngine:
         own = sum(nbytes(u.numel) for u in [self.head, *self.leftovers] if u is not None)
         return self.num_slots * nbytes(max_sizes(self.blocks)) + own + 2 * 4 * self._chunk_numel
 
+    def with_offloaded_state(self, state_dict: dict) -> dict:
+        """``optimizer.state_dict()`` plus the moments that live in files, as read-only maps of those files (a
+        streaming save copies them page by page)."""
+        store = self.optimizer.store if self.optimizer is not None else None
+        if store is None:
+            return state_dict
+        params = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]]  # state_dict's numbering
+        state = dict(state_dict["state"])
+        for i, p in enumerate(params):
+            if i in state and p in store.regions:
+                state[i] = {**state[i], **store.mapped(p)}
+        return {**state_dict, "state": state}
+
+    def absorb_loaded_state(self) -> None:
+        """After ``optimizer.load_state_dict``: move the loaded moments into the files."""
+        store = self.optimizer.store if self.optimizer is not None else None
+        if store is None:
+            return
+        for p in store.regions:
+            state = self.optimizer.optimizer.state.get(p, {})
+            for key in store.keys:
+                if key in state:
+                    store.write(p, key, state.pop(key))
+
+    def _state_units(self) -> list[tuple[str, list[nn.Parameter]]]:
+        # per unit, the trainable parameters it owns (what has optimizer state)
+        trainable = {p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.requires_grad}
+        units = [(u.name, [p for p, o in zip(u.params, u.owner) if o is u and p in trainable]) for u in self.units]
+        return [(name, params) for name, params in units if params]
+
+    def _state_keys(self) -> tuple[str, ...]:
+        amsgrad = any(g.get("amsgrad") for g in self.optimizer.optimizer.param_groups)
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+
     def host_plan(self, stored_sizes: dict[nn.Parameter, int] | None = None) -> HostPlan:
         """What :meth:`setup` and training will add to host memory (see ``lightning_slide.planner``).
 
@@ -208,6 +251,7 @@ class SlideEngine:
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
             frozen_bytes_per_element=stored_sizes,
+            state_on_disk=self.nvme_path is not None,
         )
 
     def setup(self) -> None:
@@ -233,6 +277,8 @@ class SlideEngine:
                 max_queued_bytes=self._max_queued_grad_bytes,
             )
         self._ready = True  # from here on, teardown releases what setup made, also if setup fails below
+        if self.nvme_path is not None:
+            self.optimizer.store = NvmeStateStore(self.nvme_path, self._state_units(), self._state_keys())
         if self._offload_activations:
             self.activations = ActivationStash(self.transfer)
         move_except_parameters(self.model, self.device)
@@ -285,6 +331,9 @@ class SlideEngine:
             if self.optimizer is not None:
                 self.router.close()
             self.worker.shutdown()
+            if self.optimizer is not None and self.optimizer.store is not None:
+                self.optimizer.store.close()
+                self.optimizer.store = None
             self.transfer.close()
             move_except_parameters(self.model, torch.device("cpu"))
             self._ring, self._own = [], {}

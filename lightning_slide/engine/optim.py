@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
+from .nvme import NvmeStateStore
+
 SUPPORTED_OPTIMIZERS = (AdamW, Adam, SGD)
 
 
@@ -42,6 +44,9 @@ class CpuOptimizer:
     Args:
         optimizer: the user's optimizer; its parameters are the fp32 masters in CPU memory.
 
+    With a ``store`` (the NVMe tier, set by the engine), Adam's moments live there instead of in
+    ``optimizer.state``, which then keeps only each parameter's step count between updates.
+
     Raises:
         TypeError: for any other optimizer class (subclasses included: their ``step`` may differ).
         ValueError: for options the fused kernels do not implement.
@@ -60,6 +65,7 @@ class CpuOptimizer:
                     raise ValueError(f"SlideFormer does not support {type(optimizer).__name__}({flag}=True).")
         self.optimizer = optimizer
         self.is_sgd = type(optimizer) is SGD
+        self.store: NvmeStateStore | None = None
         self._group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._sgd_first: dict[Tensor, bool] = {}  # SGD: does this step create the momentum buffer?
 
@@ -94,10 +100,13 @@ class CpuOptimizer:
         if not state:
             # Same keys, dtypes and layout as torch.optim.Adam(fused=True) creates.
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            if hypers.amsgrad:
-                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if self.store is None:
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                if hypers.amsgrad:
+                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if self.store is not None:
+            state.update(self.store.load(param))  # the moments, until end()
         state["step"] += 1
 
     def update(
@@ -145,3 +154,8 @@ class CpuOptimizer:
     def end(self, param: Tensor) -> None:
         """Finish this step's update of ``param``."""
         self._sgd_first.pop(param, None)
+        if self.store is not None:
+            self.store.save(param)
+            state = self.optimizer.state[param]
+            for key in self.store.keys:
+                del state[key]

@@ -29,6 +29,7 @@ class HostPlan:
     landing: int
     largest_unit: int  # the transient copy while a unit's masters move into pinned memory
     pinned: int  # of the above, what must be page-locked (CUDA only)
+    disk: int = 0  # optimizer state in files (the NVMe tier); optimizer_state is then what is read in at once
 
     @property
     def added(self) -> int:
@@ -39,7 +40,8 @@ class HostPlan:
         rows = [("parameters (masters)", self.masters), ("optimizer state", self.optimizer_state),
                 ("retained gradients", self.retained_grads), ("gradient landing buffers", self.landing)]  # fmt: skip
         text = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in rows)
-        return f"host memory plan: {text}; {self.pinned / GIB:.2f} GiB of it pinned"
+        disk = f"; {self.disk / GIB:.2f} GiB of optimizer state on disk" if self.disk else ""
+        return f"host memory plan: {text}; {self.pinned / GIB:.2f} GiB of it pinned{disk}"
 
 
 def plan_host(
@@ -50,6 +52,7 @@ def plan_host(
     landing_bytes: int,
     pinned: bool,
     frozen_bytes_per_element: dict[nn.Parameter, int] | None = None,
+    state_on_disk: bool = False,
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
@@ -66,11 +69,16 @@ def plan_host(
     groups = optimizer.param_groups if optimizer is not None else []
     trainable = {p for group in groups for p in group["params"] if p.requires_grad}  # frozen: no state, no grads
     trainable_bytes = sum(p.numel() * 4 for p in trainable)
-    state = trainable_bytes * _state_per_fp32(optimizer) if optimizer is not None else 0
+    per = _state_per_fp32(optimizer) if optimizer is not None else 0
+    state = trainable_bytes * per
+    disk = 0
+    if state_on_disk:  # in RAM: the state of the parameter being updated; on disk: all of it, in 4 KiB regions
+        disk = sum(-(-p.numel() * 4 // 4096) * 4096 for p in trainable) * per
+        state = max((p.numel() * 4 for p in trainable), default=0) * per
     retained = trainable_bytes if retain_grads and optimizer is not None else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     locked = masters + retained + landing_bytes if pinned else 0
-    return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked)
+    return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk)
 
 
 def _state_per_fp32(optimizer: torch.optim.Optimizer) -> int:
@@ -107,14 +115,20 @@ def locked_memory_limit() -> int | None:
     return soft
 
 
-def check_host(plan: HostPlan, available: int, memlock: int | None) -> None:
+def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: int | None = None) -> None:
     """Raise a clear error if the plan does not fit the machine."""
+    if disk_free is not None and plan.disk > disk_free:
+        raise OSError(
+            f"The optimizer state needs {plan.disk / GIB:.2f} GiB at nvme_path but only {disk_free / GIB:.2f} GiB is"
+            " free there. Free disk space, or give nvme_path a larger disk."
+        )
     if plan.added > available:
         raise MemoryError(
             f"SlideFormer needs {plan.added / GIB:.2f} GiB more host memory but only {available / GIB:.2f} GiB is"
-            f" available ({plan.describe()}). Train fewer parameters (LoRA: CausalLMModule(lora=...)), use SGD"
-            " without momentum, or drop gradient clipping and accumulation (they keep a full fp32 copy of the"
-            f" gradients: {plan.retained_grads / GIB:.2f} GiB); or free RAM."
+            f" available ({plan.describe()}). Move the optimizer state to disk"
+            " (SlideFormerStrategy(optimizer_offload='nvme', nvme_path=...)), train fewer parameters (LoRA:"
+            " CausalLMModule(lora=...)), or drop gradient clipping and accumulation (they keep a full fp32 copy of"
+            f" the gradients: {plan.retained_grads / GIB:.2f} GiB); or free RAM."
         )
     if memlock is not None and plan.pinned > memlock:
         raise MemoryError(

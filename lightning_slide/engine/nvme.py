@@ -1,0 +1,176 @@
+"""The NVMe tier: the optimizer's moment tensors live in files, one per unit (a block, the head, ...), instead of
+in RAM. A parameter's state is read into a pooled, page-aligned buffer when its update begins and written back
+when it ends, on the CPU worker, so at most the state of the parameters being updated is resident.
+
+Files sit in a private directory (0700) made under ``nvme_path``, are private (0600), opened with ``O_DIRECT``
+where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per region that is
+checked on every read, and are removed when training ends. A region never written reads as zeros (Adam's initial
+state) without touching the disk.
+
+Checkpoints: :meth:`NvmeStateStore.mapped` gives the state as read-only memory maps of the files, which a streaming
+``torch.save`` copies page by page (never the whole state in RAM); :meth:`write` puts loaded state back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+ALIGN = 4096
+
+
+class NvmeStateError(RuntimeError):
+    """Optimizer state on disk is missing, short or corrupt."""
+
+
+@dataclass
+class _Region:
+    file: int  # index into the store's files
+    offset: int
+    nbytes: int
+    crc: int | None = None  # None: never written (zeros)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _aligned_empty(nbytes: int) -> Tensor:
+    # page-aligned (O_DIRECT needs it; torch's CPU allocations are only 64-byte aligned)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    return raw[(-raw.data_ptr()) % ALIGN :][:nbytes]
+
+
+class NvmeStateStore:
+    """Optimizer state tensors (``keys``, each shaped like its fp32 parameter) of ``units`` in files.
+
+    Args:
+        root: an existing, writable directory on the fast disk.
+        units: (name, parameters) per file.
+        keys: the state tensors per parameter, e.g. ``("exp_avg", "exp_avg_sq")``.
+    """
+
+    def __init__(self, root: str, units: list[tuple[str, list[nn.Parameter]]], keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self.dir = tempfile.mkdtemp(prefix="lightning-slide-state-", dir=root)  # private: 0700
+        self.paths: list[str] = []
+        self._fds: list[int] = []
+        self.direct = True
+        self.regions: dict[nn.Parameter, dict[str, _Region]] = {}
+        self._free: dict[int, list[Tensor]] = {}  # pooled page-aligned buffers by size
+        self._loaned: dict[nn.Parameter, dict[str, Tensor]] = {}
+        self._maps: dict[int, Tensor] = {}  # file -> its read-only map, while a checkpoint is written
+        self._names: dict[nn.Parameter, str] = {}
+        try:
+            for i, (name, params) in enumerate(units):
+                offset = 0
+                for p in params:
+                    self._names[p] = f"{name}: {tuple(p.shape)}"
+                    self.regions[p] = {}
+                    for key in keys:
+                        self.regions[p][key] = _Region(len(self.paths), offset, p.numel() * 4)
+                        offset += _aligned(p.numel() * 4)
+                path = os.path.join(self.dir, f"{i:04d}-{name or 'root'}.bin")
+                self.paths.append(path)
+                self._fds.append(self._open(path))
+                os.ftruncate(self._fds[-1], offset)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, path: str) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError:  # e.g. tmpfs: no direct I/O; buffered from here on
+                self.direct = False
+        return os.open(path, flags, 0o600)
+
+    # ---- one parameter's state in RAM while it is updated ----------------------------------------------------
+
+    def load(self, param: nn.Parameter) -> dict[str, Tensor]:
+        """The state of ``param``, read into pooled buffers (checked against their CRCs)."""
+        buffers = {}
+        for key, region in self.regions[param].items():
+            buffer = self._take(_aligned(region.nbytes))
+            if region.crc is None:
+                buffer.zero_()
+            else:
+                self._read(region, buffer, f"{key} of {self._names[param]}")
+            buffers[key] = buffer
+        self._loaned[param] = buffers
+        return {key: _as_state(buffers[key], param) for key in buffers}
+
+    def save(self, param: nn.Parameter) -> None:
+        """Write back ``param``'s state (updated in the buffers :meth:`load` gave) and return them to the pool."""
+        for key, buffer in self._loaned.pop(param).items():
+            self._write(self.regions[param][key], buffer)
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    def _write(self, region: _Region, buffer: Tensor) -> None:
+        self._maps.pop(region.file, None)  # a map taken for a checkpoint is stale now
+        region.crc = zlib.crc32(buffer[: region.nbytes].numpy())
+        written = os.pwritev(self._fds[region.file], [buffer.numpy()], region.offset)
+        if written != buffer.numel():
+            raise NvmeStateError(f"Short write to {self.paths[region.file]} ({written} of {buffer.numel()} bytes).")
+
+    def _read(self, region: _Region, buffer: Tensor, what: str) -> None:
+        path = self.paths[region.file]
+        got = os.preadv(self._fds[region.file], [buffer.numpy()], region.offset)
+        if got != buffer.numel() or zlib.crc32(buffer[: region.nbytes].numpy()) != region.crc:
+            problem = "truncated" if got != buffer.numel() else "corrupt (checksum mismatch)"
+            raise NvmeStateError(
+                f"Optimizer state in {path} ({what}, bytes {region.offset}..{region.offset + region.nbytes}) is"
+                f" {problem}. Training stops here; resume from the last checkpoint."
+            )
+
+    def _take(self, nbytes: int) -> Tensor:
+        free = self._free.get(nbytes)
+        return free.pop() if free else _aligned_empty(nbytes)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+
+    def mapped(self, param: nn.Parameter) -> dict[str, Tensor]:
+        """``param``'s state as views of a read-only map of its file (checked). All views of one file share one
+        map, so a streaming ``torch.save`` writes each file once, page by page."""
+        out = {}
+        for key, region in self.regions[param].items():
+            if region.crc is None:
+                out[key] = torch.zeros(param.shape)
+                continue
+            if region.file not in self._maps:
+                path = self.paths[region.file]
+                os.fsync(self._fds[region.file])
+                size = os.path.getsize(path)
+                self._maps[region.file] = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+            raw = self._maps[region.file][region.offset : region.offset + region.nbytes]
+            if zlib.crc32(raw.numpy()) != region.crc:
+                raise NvmeStateError(f"Optimizer state in {self.paths[region.file]} ({key}) is corrupt.")
+            out[key] = raw.view(torch.float32).view(param.shape)
+        return out
+
+    def write(self, param: nn.Parameter, key: str, value: Tensor) -> None:
+        """Store ``value`` (e.g. from a checkpoint) as ``param``'s ``key`` state."""
+        region = self.regions[param][key]
+        buffer = self._take(_aligned(region.nbytes))
+        _as_state(buffer, param).copy_(value)
+        self._write(region, buffer)
+        self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    def close(self) -> None:
+        """Close and remove the files."""
+        self._maps.clear()
+        while self._fds:
+            os.close(self._fds.pop())
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _as_state(buffer: Tensor, param: nn.Parameter) -> Tensor:
+    return buffer[: param.numel() * 4].view(torch.float32).view(param.shape)

@@ -1,0 +1,110 @@
+"""The NVMe tier: Adam's moments in real files, the same training as in RAM, exact resume, and clear errors."""
+
+import os
+
+import lightning as L
+import pytest
+import torch
+
+from helpers import CausalLM, fit, max_rel_error, tiny_config
+from lightning_slide import SlideFormerStrategy
+from lightning_slide.engine.nvme import NvmeStateError
+
+
+@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.05, 1), (None, 2)])
+def test_nvme_trains_exactly_like_ram_and_plain(tmp_path, clip, accumulate):
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            trainer.strategy.engine.wait()  # no update in flight
+            store = trainer.strategy.engine.optimizer.store
+            seen["dir"] = store.dir
+            seen["modes"] = {oct(os.stat(p).st_mode & 0o777) for p in [*store.paths, store.dir]}
+            seen["resident"] = sum(len(s) for s in trainer.optimizers[0].state.values())
+            seen["planned"] = trainer.strategy.engine.host_plan().disk
+            seen["files"] = sum(os.path.getsize(p) for p in store.paths)
+
+    module = CausalLM(tiny_config("llama", tied=True))
+    kwargs = dict(gradient_clip_val=clip, accumulate_grad_batches=accumulate)
+    ref, _ = fit(module, "auto", **kwargs)
+    ram, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    disk, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path)),
+                  callbacks=[Look()], **kwargs)  # fmt: skip
+    assert all(torch.equal(disk[k], ram[k]) for k in ram)
+    err, where = max_rel_error(disk, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    assert seen["modes"] == {"0o600", "0o700"}  # private files in a private directory
+    assert seen["resident"] == len(list(module.parameters()))  # only each parameter's step count stays in RAM
+    assert not os.path.exists(seen["dir"])  # removed at the end
+    assert seen["planned"] == seen["files"]  # the planner's disk need is what the files take
+
+
+def test_nvme_resume_is_exact(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def strategy():
+        return SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path / "nvme"))
+
+    (tmp_path / "nvme").mkdir()
+    module = CausalLM(tiny_config("llama"))
+    straight, _ = fit(module, strategy(), steps=8)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)  # 4 steps: one epoch
+    fit(module, strategy(), steps=4, enable_checkpointing=True, callbacks=[saver])
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    state = torch.load(path, weights_only=True)["optimizer_states"][0]["state"]
+    assert all({"step", "exp_avg", "exp_avg_sq"} <= set(s) for s in state.values())  # the moments are in it
+    resumed, _ = fit(module, strategy(), steps=8, ckpt_path=str(path))
+    err, where = max_rel_error(resumed, straight)
+    assert err == 0, f"{where}: {err:.2e}"
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_damaged_state_stops_training_naming_the_file(tmp_path, damage):
+    class Damage(L.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                trainer.strategy.engine.wait()
+                path = trainer.strategy.engine.optimizer.store.paths[1]
+                with open(path, "r+b") as f:
+                    if damage == "corrupt":
+                        f.write(b"\xff" * 64)
+                    else:
+                        f.truncate(100)
+
+    strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(NvmeStateError, match=r"Optimizer state in .*0001-.*\.bin .* is (corrupt|truncated)"):
+        fit(CausalLM(tiny_config("llama")), strategy, steps=4, callbacks=[Damage()])
+
+
+def test_bad_nvme_paths_are_clear_errors(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.delenv("SLIDE_NVME_PATH", raising=False)
+    with pytest.raises(ValueError, match="needs a directory on a fast disk"):
+        SlideFormerStrategy(optimizer_offload="nvme")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path / "missing"))
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path / "file"))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(PermissionError, match="is not writable"):
+        SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path))
+
+
+def test_too_small_disk_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    import shutil
+
+    import lightning_slide.strategy as strategy_module
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(strategy_module.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(OSError, match=r"needs 0\.\d+ GiB at nvme_path but only 0\.00 GiB is free"):
+        fit(CausalLM(tiny_config("llama")), strategy, steps=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_nvme_preset_reads_its_directory_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIDE_NVME_PATH", str(tmp_path))
+    strategy = L.Trainer(strategy="slideformer_nvme", accelerator="cpu", logger=False).strategy
+    assert (strategy.optimizer_offload, strategy.nvme_path) == ("nvme", str(tmp_path))
