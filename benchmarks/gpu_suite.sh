@@ -29,7 +29,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 hang=()  # with pytest-timeout, a hanging test dumps every thread's stack instead of eating the limit
 python -c "import pytest_timeout" 2>/dev/null && hang=(--timeout=120 -o timeout_method=thread)
 step tests 300 python -P -m pytest -m gpu -q -p no:cacheprovider -rfE "${hang[@]}"
-step quickstart 180 python -m lightning_slide fit --config recipes/quickstart.yaml --trainer.precision bf16-mixed \
+step quickstart 180 python -P -m lightning_slide fit --config recipes/quickstart.yaml --trainer.precision bf16-mixed \
   --trainer.default_root_dir "$out/quickstart" --trainer.enable_progress_bar false
 cd benchmarks
 step flce 150 python bench_flce.py --out "$out/flce.csv"
