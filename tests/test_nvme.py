@@ -108,3 +108,27 @@ def test_the_nvme_preset_reads_its_directory_from_the_environment(tmp_path, monk
     monkeypatch.setenv("SLIDE_NVME_PATH", str(tmp_path))
     strategy = L.Trainer(strategy="slideformer_nvme", accelerator="cpu", logger=False).strategy
     assert (strategy.optimizer_offload, strategy.nvme_path) == ("nvme", str(tmp_path))
+
+
+def test_without_direct_io_the_store_falls_back_to_buffered_files(tmp_path, monkeypatch):
+    from torch import nn
+
+    from lightning_slide.engine import nvme
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")  # what tmpfs-like file systems answer
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(nvme.os, "open", no_direct)
+    p = nn.Parameter(torch.randn(5, 3))
+    store = nvme.NvmeStateStore(str(tmp_path), [("block", [p])], ("exp_avg", "exp_avg_sq"))
+    assert not store.direct
+    store.load(p)["exp_avg"].fill_(2.5)
+    store.save(p)
+    assert store.load(p)["exp_avg"].eq(2.5).all()
+    store.save(p)
+    store.close()
+    assert list(tmp_path.iterdir()) == []

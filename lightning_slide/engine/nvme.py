@@ -87,10 +87,17 @@ class NvmeStateStore:
     def _open(self, path: str) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         if self.direct and hasattr(os, "O_DIRECT"):
+            fd = None
             try:
-                return os.open(path, flags | os.O_DIRECT, 0o600)
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                os.pwritev(fd, [_aligned_empty(ALIGN).zero_().numpy()], 0)  # some file systems refuse only here
+                return fd
             except OSError:  # e.g. tmpfs: no direct I/O; buffered from here on
                 self.direct = False
+                if fd is not None:
+                    os.close(fd)
+                if os.path.exists(path):
+                    os.unlink(path)
         return os.open(path, flags, 0o600)
 
     # ---- one parameter's state in RAM while it is updated ----------------------------------------------------
