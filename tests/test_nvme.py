@@ -117,10 +117,10 @@ def test_without_direct_io_the_store_falls_back_to_buffered_files(tmp_path, monk
 
     real_open = os.open
 
-    def no_direct(path, flags, *args):
+    def no_direct(path, flags, *args, **kwargs):
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(22, "Invalid argument")  # what tmpfs-like file systems answer
-        return real_open(path, flags, *args)
+        return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(nvme.os, "open", no_direct)
     p = nn.Parameter(torch.randn(5, 3))
