@@ -65,7 +65,9 @@ def test_damaged_state_stops_training_naming_the_file(tmp_path, damage):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if batch_idx == 1:
                 trainer.strategy.engine.wait()
-                path = trainer.strategy.engine.optimizer.store.paths[1]
+                store = trainer.strategy.engine.optimizer.store
+                store.flush()  # the writes behind this step's updates are on disk
+                path = store.paths[1]
                 with open(path, "r+b") as f:
                     if damage == "corrupt":
                         f.write(b"\xff" * 64)
@@ -132,3 +134,19 @@ def test_without_direct_io_the_store_falls_back_to_buffered_files(tmp_path, monk
     store.save(p)
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_read_ahead_is_bounded_and_reads_see_earlier_writes(tmp_path):
+    from torch import nn
+
+    from lightning_slide.engine.nvme import NvmeStateStore
+
+    a, b = nn.Parameter(torch.zeros(1024)), nn.Parameter(torch.zeros(1024))  # 2 x 4 KiB of state each
+    store = NvmeStateStore(str(tmp_path), [("block", [a, b])], ("exp_avg", "exp_avg_sq"), max_ahead_bytes=3 * 4096)
+    store.load(a)["exp_avg"].fill_(1.0)
+    store.save(a)  # behind: queued on the I/O thread
+    store.prefetch([a, b])  # only a fits in 3 pages
+    assert list(store._ahead) == [a]
+    assert store.load(a)["exp_avg"].eq(1.0).all()  # the read-ahead came after the write
+    store.save(a)
+    store.close()

@@ -208,6 +208,7 @@ class SlideEngine:
         store = self.optimizer.store if self.optimizer is not None else None
         if store is None:
             return state_dict
+        store.flush()
         params = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]]  # state_dict's numbering
         state = dict(state_dict["state"])
         for i, p in enumerate(params):

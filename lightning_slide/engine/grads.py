@@ -187,6 +187,8 @@ class GradRouter:
                 if owner.update_done is not None:
                     owner.update_done.result()  # the previous update no longer reads the retained buffers
         streamed = plan is not None and not self.retain
+        if streamed:
+            self.optimizer.prefetch([p for _, p, _ in ready])
         with tr.on_download_stream(event):
             if streamed:
                 for owner in owners:
@@ -300,6 +302,8 @@ class GradRouter:
             if self.retain:
                 self.fresh[p] = True
         owner.version += 1
+        if not streamed:
+            self.optimizer.prefetch(params)
         task = (lambda: None,) if streamed else (self._update, owner.name, params, plan, check_finite)
         owner.update_done = self.worker.submit(*task)
 

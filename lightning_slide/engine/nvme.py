@@ -1,6 +1,7 @@
 """The NVMe tier: the optimizer's moment tensors live in files, one per unit (a block, the head, ...), instead of
-in RAM. A parameter's state is read into a pooled, page-aligned buffer when its update begins and written back
-when it ends, on the CPU worker, so at most the state of the parameters being updated is resident.
+in RAM. A parameter's state is read into pooled, page-aligned buffers ahead of its update (as soon as its
+gradients are on their way, up to ``max_ahead_bytes`` of state in RAM) and written behind it, by one I/O thread
+that does all file I/O in submission order, so a read always sees the write submitted before it.
 
 Files sit in a private directory (0700) made under ``nvme_path``, are private (0600), opened with ``O_DIRECT``
 where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per region that is
@@ -16,7 +17,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +57,18 @@ class NvmeStateStore:
         root: an existing, writable directory on the fast disk.
         units: (name, parameters) per file.
         keys: the state tensors per parameter, e.g. ``("exp_avg", "exp_avg_sq")``.
+        max_ahead_bytes: state read ahead and not yet used may hold at most this much RAM.
     """
 
-    def __init__(self, root: str, units: list[tuple[str, list[nn.Parameter]]], keys: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        root: str,
+        units: list[tuple[str, list[nn.Parameter]]],
+        keys: tuple[str, ...],
+        max_ahead_bytes: int = 1 << 30,
+    ) -> None:
         self.keys = keys
+        self.max_ahead_bytes = max_ahead_bytes
         self.dir = tempfile.mkdtemp(prefix="lightning-slide-state-", dir=root)  # private: 0700
         self.paths: list[str] = []
         self._fds: list[int] = []
@@ -67,6 +78,11 @@ class NvmeStateStore:
         self._loaned: dict[nn.Parameter, dict[str, Tensor]] = {}
         self._maps: dict[int, Tensor] = {}  # file -> its read-only map, while a checkpoint is written
         self._names: dict[nn.Parameter, str] = {}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-nvme")  # all file I/O, in order
+        self._ahead: dict[nn.Parameter, Future] = {}
+        self._ahead_bytes = 0
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None  # a failed write-behind, raised at the next load or flush
         try:
             for i, (name, params) in enumerate(units):
                 offset = 0
@@ -102,8 +118,48 @@ class NvmeStateStore:
 
     # ---- one parameter's state in RAM while it is updated ----------------------------------------------------
 
+    def prefetch(self, params: list[nn.Parameter]) -> None:
+        """Start reading the state of ``params`` (their updates come next), within ``max_ahead_bytes``."""
+        with self._lock:
+            for p in params:
+                if p not in self.regions or p in self._ahead:
+                    continue
+                nbytes = self._state_bytes(p)
+                if self._ahead_bytes + nbytes > self.max_ahead_bytes:
+                    return
+                self._ahead_bytes += nbytes
+                self._ahead[p] = self._io.submit(self._read_param, p)
+
     def load(self, param: nn.Parameter) -> dict[str, Tensor]:
-        """The state of ``param``, read into pooled buffers (checked against their CRCs)."""
+        """The state of ``param`` in pooled buffers (read ahead, or now), checked against its CRCs."""
+        self._raise()
+        with self._lock:
+            future = self._ahead.pop(param, None)
+            if future is not None:
+                self._ahead_bytes -= self._state_bytes(param)
+        buffers = (future or self._io.submit(self._read_param, param)).result()
+        self._loaned[param] = buffers
+        return {key: _as_state(buffers[key], param) for key in buffers}
+
+    def save(self, param: nn.Parameter) -> None:
+        """Write back ``param``'s state (updated in the buffers :meth:`load` gave), behind the caller."""
+        self._io.submit(self._write_param, param, self._loaned.pop(param))
+
+    def flush(self) -> None:
+        """Wait for every write submitted so far (and raise a failed one)."""
+        self._io.submit(lambda: None).result()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _state_bytes(self, param: nn.Parameter) -> int:
+        return sum(_aligned(r.nbytes) for r in self.regions[param].values())
+
+    # ---- on the I/O thread -----------------------------------------------------------------------------------
+
+    def _read_param(self, param: nn.Parameter) -> dict[str, Tensor]:
         buffers = {}
         for key, region in self.regions[param].items():
             buffer = self._take(_aligned(region.nbytes))
@@ -112,14 +168,15 @@ class NvmeStateStore:
             else:
                 self._read(region, buffer, f"{key} of {self._names[param]}")
             buffers[key] = buffer
-        self._loaned[param] = buffers
-        return {key: _as_state(buffers[key], param) for key in buffers}
+        return buffers
 
-    def save(self, param: nn.Parameter) -> None:
-        """Write back ``param``'s state (updated in the buffers :meth:`load` gave) and return them to the pool."""
-        for key, buffer in self._loaned.pop(param).items():
-            self._write(self.regions[param][key], buffer)
-            self._free.setdefault(buffer.numel(), []).append(buffer)
+    def _write_param(self, param: nn.Parameter, buffers: dict[str, Tensor]) -> None:
+        try:
+            for key, buffer in buffers.items():
+                self._write(self.regions[param][key], buffer)
+                self._free.setdefault(buffer.numel(), []).append(buffer)
+        except BaseException as err:
+            self._error = err
 
     def _write(self, region: _Region, buffer: Tensor) -> None:
         self._maps.pop(region.file, None)  # a map taken for a checkpoint is stale now
@@ -146,7 +203,7 @@ class NvmeStateStore:
 
     def mapped(self, param: nn.Parameter) -> dict[str, Tensor]:
         """``param``'s state as views of a read-only map of its file (checked). All views of one file share one
-        map, so a streaming ``torch.save`` writes each file once, page by page."""
+        map, so a streaming ``torch.save`` writes each file once, page by page. Call :meth:`flush` first."""
         out = {}
         for key, region in self.regions[param].items():
             if region.crc is None:
@@ -165,14 +222,19 @@ class NvmeStateStore:
 
     def write(self, param: nn.Parameter, key: str, value: Tensor) -> None:
         """Store ``value`` (e.g. from a checkpoint) as ``param``'s ``key`` state."""
-        region = self.regions[param][key]
-        buffer = self._take(_aligned(region.nbytes))
-        _as_state(buffer, param).copy_(value)
-        self._write(region, buffer)
-        self._free.setdefault(buffer.numel(), []).append(buffer)
+
+        def write() -> None:
+            region = self.regions[param][key]
+            buffer = self._take(_aligned(region.nbytes))
+            _as_state(buffer, param).copy_(value)
+            self._write(region, buffer)
+            self._free.setdefault(buffer.numel(), []).append(buffer)
+
+        self._io.submit(write).result()
 
     def close(self) -> None:
-        """Close and remove the files."""
+        """Finish pending I/O, close and remove the files."""
+        self._io.shutdown(wait=True)
         self._maps.clear()
         while self._fds:
             os.close(self._fds.pop())

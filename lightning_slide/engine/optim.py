@@ -88,6 +88,11 @@ class CpuOptimizer:
                 )
         return out
 
+    def prefetch(self, params: list[Tensor]) -> None:
+        """The updates of ``params`` come next: start reading their state if it lives on disk."""
+        if self.store is not None:
+            self.store.prefetch(params)
+
     def begin(self, param: Tensor, hypers: Hypers) -> None:
         """Start this step's update of ``param``: create its state if new and count the step (once per step)."""
         state = self.optimizer.state[param]
