@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torchmetrics import SumMetric
 
 from .data import _missing_directory
+from .engine.planner import available_host_bytes
 from .kernels import fused_linear_cross_entropy
 
 
@@ -94,15 +95,30 @@ class CausalLMModule(L.LightningModule):
     # ---- the model -----------------------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
+        """Build or load the model. With LoRA under bf16-mixed, a base stored in bf16 loads as bf16 (2 bytes per
+        parameter, the values bf16 compute reads), with norms, the embedding and the adapters in fp32."""
         if self.model is not None:
             return
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
+        bf16_base = (
+            self.source is not None
+            and self.lora is not None
+            and self._trainer is not None
+            and self.trainer.precision == "bf16-mixed"
+            and _stored_dtype(self.source) in (torch.bfloat16, torch.float16)  # loading it in bf16 loses nothing
+        )
         if self.source is not None:
-            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(self.source), dtype=torch.float32)
+            _check_ram(self.source, bf16_base)  # before the weights load
+            dtype = torch.bfloat16 if bf16_base else torch.float32
+            model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(self.source), dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**self.config_dict))
-        self.model = _with_lora(model, self.lora) if self.lora is not None else model
+            model = AutoModelForCausalLM.from_config(_architecture(None, self.config_dict))
+        if self.lora is not None:
+            model = _with_lora(model, self.lora)
+        if bf16_base:
+            _fp32_except_frozen_matrices(model)
+        self.model = model
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -178,17 +194,31 @@ def _warmup_cosine(warmup: int, total: int, floor: float):
     return factor
 
 
-def _check_lora_targets(source: str | None, config: dict[str, Any] | None, lora: LoRA) -> None:
-    # Before any weights load (and before the CLI writes anything): the module names come from the model's
-    # architecture, built on the meta device. A hub id whose config is not reachable is checked later, by peft.
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _architecture(source: str | None, config: dict[str, Any] | None):
+    """The transformers config of a model given by directory/hub id or by a config dict (no weights loaded)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
+
+
+def _meta_model(source: str | None, config: dict[str, Any] | None) -> nn.Module | None:
+    # the model's modules and parameter shapes, without memory; None if its config is not reachable (offline hub)
+    from transformers import AutoModelForCausalLM
 
     try:
-        cfg = AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
+        cfg = _architecture(os.path.expanduser(source) if source else None, config)
     except OSError:
-        return
+        return None
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def _check_lora_targets(source: str | None, config: dict[str, Any] | None, lora: LoRA) -> None:
+    # Before any weights load (and before the CLI writes anything); a hub id whose config is not reachable is
+    # checked later, by peft.
+    model = _meta_model(source, config)
+    if model is None:
+        return
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in lora.target_modules if t not in names]
     if missing:
@@ -196,6 +226,38 @@ def _check_lora_targets(source: str | None, config: dict[str, Any] | None, lora:
         raise ValueError(
             f"LoRA target_modules {missing} are not modules of this model; its linear layers are {linear}."
         )
+
+
+def _stored_dtype(source: str) -> torch.dtype | None:
+    try:
+        cfg = _architecture(os.path.expanduser(source), None)
+    except OSError:
+        return None
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _check_ram(source: str, bf16_base: bool) -> None:
+    model = _meta_model(source, None)
+    if model is None:
+        return
+    embedding = model.get_input_embeddings().weight
+    need = sum(p.numel() * (2 if bf16_base and p.dim() >= 2 and p is not embedding else 4) for p in model.parameters())
+    available = available_host_bytes()
+    if need > available:
+        raise MemoryError(
+            f"Loading {source} needs {need / 2**30:.1f} GiB of RAM for its weights"
+            f" ({'bf16 base' if bf16_base else 'fp32'}), but only {available / 2**30:.1f} GiB is available. Free RAM,"
+            + ("" if bf16_base else " or train LoRA under bf16-mixed (the base then loads in bf16),")
+            + " or use a machine with more memory."
+        )
+
+
+def _fp32_except_frozen_matrices(model: nn.Module) -> None:
+    embedding = model.get_input_embeddings().weight
+    for p in model.parameters():
+        if p.dtype != torch.float32 and (p.requires_grad or p.dim() < 2 or p is embedding):
+            p.data = p.data.float()
 
 
 def _with_lora(model: nn.Module, lora: LoRA) -> nn.Module:

@@ -166,6 +166,39 @@ def test_monitor_logs_throughput_and_memory_and_prints_a_summary(caplog):
     assert "host memory plan: parameters (masters)" in caplog.text
 
 
+def test_lora_base_stored_in_bf16_loads_in_bf16_and_trains_within_the_bound(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)).bfloat16().save_pretrained(tmp_path)
+    lora = LoRA(r=4, alpha=8, dropout=0.1)
+    ref32, _, _ = train(lora=lora, model=str(tmp_path))  # 32-true: fp32 copies of the same bf16 values
+    plain16, _, _ = train(lora=lora, model=str(tmp_path), precision="bf16-mixed")
+    ours16, module, _ = train(SlideFormerStrategy(num_slots=2), lora=lora, model=str(tmp_path), precision="bf16-mixed")
+    base = module.causal_lm.model
+    assert base.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # loaded so: 2 bytes per parameter
+    assert base.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert base.embed_tokens.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in module.parameters() if p.requires_grad)
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
+
+
+def test_a_model_too_big_for_ram_is_refused_before_loading(tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import lightning_slide.module as module_file
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)).save_pretrained(tmp_path)
+    monkeypatch.setattr(module_file, "available_host_bytes", lambda: 1024)
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", must_not_load)
+    with pytest.raises(MemoryError, match=r"needs 0\.0 GiB of RAM for its weights \(fp32\), but only 0\.0 GiB"):
+        CausalLMModule(model=str(tmp_path)).configure_model()
+
+
 # ---- data ---------------------------------------------------------------------------------------------------------
 
 
