@@ -137,7 +137,10 @@ class CausalLMModule(L.LightningModule):
         engine = getattr(self.trainer.strategy, "engine", None) if self._trainer is not None else None
         if engine is not None and engine.head is not None and engine.head.module is head:
             return engine.head_loss(hidden, target, fused_linear_cross_entropy, **options)  # streamed head
-        return fused_linear_cross_entropy(hidden, head.weight, target, head.bias, **options)
+        weight = head.weight
+        if torch.is_autocast_enabled(hidden.device.type):  # the head's matmuls in the autocast dtype, as nn.Linear
+            weight = weight.to(torch.get_autocast_dtype(hidden.device.type))
+        return fused_linear_cross_entropy(hidden, weight, target, head.bias, **options)
 
     # ---- steps ---------------------------------------------------------------------------------------------------
 
