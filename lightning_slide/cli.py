@@ -13,8 +13,17 @@ import sys
 from lightning.pytorch.cli import LightningCLI
 
 from .data import TextDataModule
-from .module import CausalLMModule
+from .module import CausalLMModule, check_vocab
 from .monitor import SlideMonitor
+
+
+class SlideCLI(LightningCLI):
+    """Lightning's CLI, with the checks that need both the model and the data made before anything is written."""
+
+    def before_fit(self) -> None:
+        vocab = self.model.vocab_size()
+        if vocab is not None:
+            check_vocab(len(self.datamodule.load_tokenizer()), vocab)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -24,7 +33,7 @@ def main(args: list[str] | None = None) -> None:
 
         export((sys.argv[1:] if args is None else args)[1:])
         return
-    LightningCLI(
+    SlideCLI(
         CausalLMModule,
         TextDataModule,
         trainer_defaults={"strategy": "slideformer", "callbacks": [SlideMonitor()]},

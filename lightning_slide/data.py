@@ -86,7 +86,9 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 def tokenize(doc: dict[str, Any], tokenizer) -> tuple[list[int], list[bool]]:
     """Token ids of one document (ending with EOS) and which of them are trained on."""
     if "text" in doc:
-        ids = tokenizer(doc["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = tokenizer(doc["text"])["input_ids"]  # with the tokenizer's own specials (a BOS, for most)
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            ids = [*ids, tokenizer.eos_token_id]
         return ids, [True] * len(ids)
     messages = doc["messages"]
     ids: list[int] = []
@@ -250,7 +252,7 @@ class TextDataModule(L.LightningDataModule):
         if self.train_rows is not None:
             return
         docs = read_jsonl(os.path.expanduser(self.path)) if self.path else builtin_documents(seed=self.seed)
-        self.tokenizer = self._load_tokenizer()
+        self.load_tokenizer()
         order = list(range(len(docs)))
         random.Random(self.seed).shuffle(order)
         n_val = round(len(docs) * self.val_fraction) if self.val_fraction else 0
@@ -263,12 +265,16 @@ class TextDataModule(L.LightningDataModule):
         self.train_rows = rows(order[n_val:])
         self.val_rows = rows(order[:n_val]) if n_val else None
 
-    def _load_tokenizer(self):
-        if self.tokenizer_name is None:
-            return builtin_tokenizer()
-        from transformers import AutoTokenizer
+    def load_tokenizer(self):
+        """The tokenizer (loaded once): the built-in one, or ``AutoTokenizer`` from ``tokenizer``."""
+        if self.tokenizer is None:
+            if self.tokenizer_name is None:
+                self.tokenizer = builtin_tokenizer()
+            else:
+                from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(os.path.expanduser(self.tokenizer_name))
+                self.tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(self.tokenizer_name))
+        return self.tokenizer
 
     def train_dataloader(self) -> DataLoader:
         resume = None

@@ -44,5 +44,5 @@ def export(args: list[str]) -> None:
     if module.lora is not None and opts.merge_lora:
         model = model.merge_and_unload()
     model.save_pretrained(opts.out)  # safetensors; a peft model writes its adapter
-    data._load_tokenizer().save_pretrained(opts.out)
+    data.load_tokenizer().save_pretrained(opts.out)
     print(f"wrote {opts.out}")

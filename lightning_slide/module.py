@@ -118,7 +118,17 @@ class CausalLMModule(L.LightningModule):
             model = _with_lora(model, self.lora)
         if bf16_base:
             _fp32_except_frozen_matrices(model)
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
+        if tokenizer is not None:
+            check_vocab(len(tokenizer), model.get_input_embeddings().num_embeddings)
         self.model = model
+
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary from its config (no weights loaded), or ``None`` if the config is unreachable."""
+        try:
+            return _architecture(os.path.expanduser(self.source) if self.source else None, self.config_dict).vocab_size
+        except OSError:
+            return None
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -195,6 +205,15 @@ def _warmup_cosine(warmup: int, total: int, floor: float):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
+
+
+def check_vocab(tokens: int, vocab: int) -> None:
+    """Refuse a tokenizer with more tokens than the model's embedding has rows."""
+    if tokens > vocab:
+        raise ValueError(
+            f"The tokenizer has {tokens} tokens but the model's vocabulary has {vocab}: give the model"
+            f" vocab_size >= {tokens} (config) or the model's own tokenizer (data.tokenizer)."
+        )
 
 
 def _architecture(source: str | None, config: dict[str, Any] | None):

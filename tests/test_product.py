@@ -295,6 +295,7 @@ def test_every_recipe_parses_against_the_real_signatures(recipe, monkeypatch, tm
         (["--data.path", "/nonexistent/data.jsonl"], "no such file"),
         (["--model.config", "null", "--model.model", "./no/such/model"], "no such directory"),
         (["--model.lora", '{"target_modules": ["nope_proj"]}'], "nope_proj"),
+        (["--model.config.vocab_size", "100"], "The tokenizer has 262 tokens but the model's vocabulary has 100"),
     ],
 )
 def test_bad_input_is_one_clear_message_and_a_nonzero_exit(tmp_path, capsys, override, message):
