@@ -20,8 +20,9 @@ def export(args: list[str]) -> None:
     parser.add_argument("--out", required=True, help="a new (or empty) directory to write")
     parser.add_argument("--merge_lora", action="store_true", help="LoRA runs: write the merged model, not the adapter")
     opts = parser.parse_args(args)
-    if not os.path.isfile(opts.ckpt_path):
-        parser.error(f"--ckpt_path {opts.ckpt_path!r}: no such file.")
+    for name in ("config", "ckpt_path"):
+        if not os.path.isfile(getattr(opts, name)):
+            parser.error(f"--{name} {getattr(opts, name)!r}: no such file.")
     if os.path.exists(opts.out) and (not os.path.isdir(opts.out) or os.listdir(opts.out)):
         parser.error(f"--out {opts.out!r} exists and is not an empty directory; nothing is overwritten.")
 
@@ -38,7 +39,8 @@ def export(args: list[str]) -> None:
     cli = LightningCLI(CausalLMModule, TextDataModule, run=False, args=config)
     module, data = cli.model, cli.datamodule
     module.configure_model()
-    checkpoint = torch.load(opts.ckpt_path, map_location="cpu", weights_only=True)  # no arbitrary unpickling
+    # no arbitrary unpickling; mapped, not read: the optimizer state in it is never loaded
+    checkpoint = torch.load(opts.ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     module.load_state_dict(checkpoint["state_dict"])
     model = module.model
     if module.lora is not None and opts.merge_lora:
