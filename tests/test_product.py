@@ -23,10 +23,11 @@ TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden
             num_key_value_heads=2, vocab_size=262, max_position_embeddings=128)  # fmt: skip
 
 
-def train(strategy="auto", *, precision="32-true", steps=4, lora=None, model=None, **trainer_kwargs):
+def train(strategy="auto", *, precision="32-true", steps=4, lora=None, model=None, config=TINY, accelerator="cpu",
+          **trainer_kwargs):  # fmt: skip
     """Fit a CausalLMModule on the built-in data; returns (fp32 state dict, the module, logged metrics)."""
     L.seed_everything(0, verbose=False)
-    module = CausalLMModule(model=model, config=None if model else TINY, lora=lora, lr=1e-2, weight_decay=0.1,
+    module = CausalLMModule(model=model, config=None if model else config, lora=lora, lr=1e-2, weight_decay=0.1,
                             warmup_steps=2)  # fmt: skip
     data = TextDataModule(seq_len=32, batch_size=4, val_fraction=0.02)
     options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -143,6 +144,26 @@ def test_step_normalization_weighs_every_token_of_the_accumulation_step_equally(
             tokens += (target != IGNORE).sum().item()
     assert all(b["step_tokens"].eq(tokens).all() for _, b in seen)
     assert sum(loss for loss, _ in seen) == pytest.approx(total / tokens, rel=1e-4)  # (outputs are divided by 3)
+
+
+@pytest.mark.gpu
+def test_module_on_cuda_bf16_uses_the_kernels_and_reports_mfu():
+    # head dim 32: the strategy switches to attn_implementation="slide"; the loss runs the Triton kernel
+    config = dict(TINY, hidden_size=128, intermediate_size=344, max_position_embeddings=256)
+    seen = set()
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            seen.add(module.causal_lm.config._attn_implementation)
+
+    ref32, _, _ = train(config=config, accelerator="gpu", steps=6)
+    plain16, _, _ = train(config=config, accelerator="gpu", precision="bf16-mixed", steps=6)
+    ours16, _, metrics = train(SlideFormerStrategy(num_slots=2), config=config, accelerator="gpu",
+                               precision="bf16-mixed", steps=6, callbacks=[Look(), SlideMonitor()])  # fmt: skip
+    assert seen == {"slide"}
+    assert 0 < metrics["perf/mfu"] < 1
+    assert metrics["mem/gpu_peak_gib"] > 0
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
 
 
 @pytest.mark.parametrize(
