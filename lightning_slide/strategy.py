@@ -334,7 +334,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
         if self.engine is not None:
-            self.engine.absorb_loaded_state()
+            self.engine.adopt_loaded_state()
 
     @classmethod
     @override

@@ -216,16 +216,18 @@ class SlideEngine:
                 state[i] = {**state[i], **store.mapped(p)}
         return {**state_dict, "state": state}
 
-    def absorb_loaded_state(self) -> None:
-        """After ``optimizer.load_state_dict``: move the loaded moments into the files."""
-        store = self.optimizer.store if self.optimizer is not None else None
-        if store is None:
+    def adopt_loaded_state(self) -> None:
+        """After ``optimizer.load_state_dict``: the loaded moments go into the files (NVMe tier), or into memory of
+        their own (they may still be views of the memory-mapped checkpoint file, which would keep it alive)."""
+        if self.optimizer is None:
             return
-        for p in store.regions:
-            state = self.optimizer.optimizer.state.get(p, {})
-            for key in store.keys:
-                if key in state:
+        store = self.optimizer.store
+        for p, state in self.optimizer.optimizer.state.items():
+            for key in [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0]:
+                if store is not None and p in store.regions:
                     store.write(p, key, state.pop(key))
+                else:
+                    state[key] = state[key].clone()
 
     def _state_units(self) -> list[tuple[str, list[nn.Parameter]]]:
         # per unit, the trainable parameters it owns (what has optimizer state)
