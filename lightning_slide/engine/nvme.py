@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 ALIGN = 4096
+READ_AHEAD_BYTES = 1 << 30  # state read ahead and not yet used, at most
 
 
 class NvmeStateError(RuntimeError):
@@ -65,7 +66,7 @@ class NvmeStateStore:
         root: str,
         units: list[tuple[str, list[nn.Parameter]]],
         keys: tuple[str, ...],
-        max_ahead_bytes: int = 1 << 30,
+        max_ahead_bytes: int = READ_AHEAD_BYTES,
     ) -> None:
         self.keys = keys
         self.max_ahead_bytes = max_ahead_bytes

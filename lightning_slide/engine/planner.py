@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .nvme import READ_AHEAD_BYTES
+
 GIB = 2**30
 
 
@@ -72,9 +74,9 @@ def plan_host(
     per = _state_per_fp32(optimizer) if optimizer is not None else 0
     state = trainable_bytes * per
     disk = 0
-    if state_on_disk:  # in RAM: the state of the parameter being updated; on disk: all of it, in 4 KiB regions
+    if state_on_disk:  # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, and the one being updated
         disk = sum(-(-p.numel() * 4 // 4096) * 4096 for p in trainable) * per
-        state = max((p.numel() * 4 for p in trainable), default=0) * per
+        state = min(state, max((p.numel() * 4 for p in trainable), default=0) * per + READ_AHEAD_BYTES)
     retained = trainable_bytes if retain_grads and optimizer is not None else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     locked = masters + retained + landing_bytes if pinned else 0
