@@ -34,13 +34,13 @@ def dense_bf16_peak(device_name: str) -> float | None:
     return None
 
 
-def flops_per_token(module: torch.nn.Module, seq_len: int) -> float:
-    """``6 N`` plus causal attention ``6 L d S`` (forward and backward) for a transformers model inside ``module``."""
+def flops_per_token(module: torch.nn.Module) -> tuple[float, float]:
+    """``(6 N, 6 L d)`` for a transformers model inside ``module``: a token at sequence length S costs
+    ``6 N + 6 L d S`` FLOPs (forward and backward, causal attention)."""
     n = sum(p.numel() for p in module.parameters())
     config = next((m.config for m in module.modules() if hasattr(m, "config") and hasattr(m.config, "hidden_size")),
                   None)  # fmt: skip
-    attention = 6 * config.num_hidden_layers * config.hidden_size * seq_len if config is not None else 0
-    return 6 * n + attention
+    return 6 * n, 6 * config.num_hidden_layers * config.hidden_size if config is not None else 0
 
 
 def _tokens(batch: Any) -> tuple[int, int]:
@@ -52,10 +52,10 @@ def _tokens(batch: Any) -> tuple[int, int]:
     return 0, 0
 
 
-def _host_gib() -> tuple[float, float]:
+def _host_gib() -> float:
+    """Resident memory of the process now."""
     with open("/proc/self/statm") as f:
-        rss = int(f.read().split()[1]) * resource.getpagesize()
-    return rss / GIB, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        return int(f.read().split()[1]) * resource.getpagesize() / GIB
 
 
 class SlideMonitor(L.Callback):
@@ -66,6 +66,8 @@ class SlideMonitor(L.Callback):
         self._start: float | None = None
         self._tokens = 0
         self._seq_len = 0
+        self._peak: float | None = None  # dense bf16 FLOP/s of the GPU (None: unknown, or no GPU)
+        self._flops = (0.0, 0.0)
 
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         params = list(module.parameters())
@@ -83,8 +85,12 @@ class SlideMonitor(L.Callback):
             )
             lines.append(engine.host_plan().describe())
         host_params = sum(p.numel() * p.element_size() for p in params) / GIB
-        lines.append(f"host: {host_params:.2f} GiB of parameters, {_host_gib()[0]:.2f} GiB resident now")
+        lines.append(f"host: {host_params:.2f} GiB of parameters, {_host_gib():.2f} GiB resident now")
         rank_zero_info("SlideFormer run\n  " + "\n  ".join(lines))
+        # what MFU needs, once: the model's FLOPs per token and the GPU's peak
+        device = strategy.root_device
+        self._peak = dense_bf16_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        self._flops = flops_per_token(module)
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._start is None:  # then from one step's end to the next: data loading counts, as the user sees it
@@ -103,9 +109,9 @@ class SlideMonitor(L.Callback):
         metrics = {"perf/tokens_per_s": rate}
         if device.type == "cuda":
             metrics["mem/gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-            peak = dense_bf16_peak(torch.cuda.get_device_name(device))
-            if peak is not None:
-                metrics["perf/mfu"] = rate * flops_per_token(module, self._seq_len) / peak
-        metrics["mem/host_gib"] = _host_gib()[0]
+        if self._peak is not None:
+            dense, attention = self._flops
+            metrics["perf/mfu"] = rate * (dense + attention * self._seq_len) / self._peak
+        metrics["mem/host_gib"] = _host_gib()
         module.log_dict(metrics, prog_bar=True, on_step=True, on_epoch=False)
         self._start, self._tokens = time.perf_counter(), 0
