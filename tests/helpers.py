@@ -180,3 +180,14 @@ class LargestTensor(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
+
+
+def kernel_path(module, path: str, monkeypatch) -> str:
+    """Run a kernel module's Triton path (under TRITON_INTERPRET=1) or its torch path, for a ``path`` fixture."""
+    import pytest
+
+    if path == "triton" and not module._INTERPRET:
+        pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
+    if path == "torch":
+        monkeypatch.setattr(module, "_INTERPRET", False)
+    return path

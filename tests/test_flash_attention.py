@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lightning_slide.kernels.attention as fa
+from helpers import kernel_path
 from lightning_slide.kernels import FlashAttention, flash_attention, flash_attention_ref
 
 CU = torch.tensor([0, 5, 20, 37], dtype=torch.int32)
@@ -12,11 +13,7 @@ CU = torch.tensor([0, 5, 20, 37], dtype=torch.int32)
 
 @pytest.fixture(params=["triton", "torch"])
 def path(request, monkeypatch):
-    if request.param == "triton" and not fa._INTERPRET:
-        pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
-    if request.param == "torch":
-        monkeypatch.setattr(fa, "_INTERPRET", False)
-    return request.param
+    return kernel_path(fa, request.param, monkeypatch)
 
 
 def _qkv(packed: bool, d: int, hq: int = 4, hkv: int = 2, seed: int = 0):

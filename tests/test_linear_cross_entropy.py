@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import lightning_slide.kernels.linear_cross_entropy as flce
-from helpers import LargestTensor
+from helpers import LargestTensor, kernel_path
 from lightning_slide.kernels import FusedLinearCrossEntropy, fused_linear_cross_entropy, fused_linear_cross_entropy_ref
 
 N, H, V = 37, 19, 1001
@@ -13,12 +13,8 @@ N, H, V = 37, 19, 1001
 
 @pytest.fixture(params=["triton", "torch"])
 def path(request, monkeypatch):
-    if request.param == "triton" and not flce._INTERPRET:
-        pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
-    if request.param == "torch":
-        monkeypatch.setattr(flce, "_INTERPRET", False)
     monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", N * 300)  # 4 vocabulary chunks of 256 (the last one 233)
-    return request.param
+    return kernel_path(flce, request.param, monkeypatch)
 
 
 def _inputs(bias=True, ignore_every=5):
