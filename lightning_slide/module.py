@@ -81,12 +81,13 @@ class CausalLMModule(L.LightningModule):
             )
         if normalize not in ("batch", "step"):
             raise ValueError(f"normalize must be 'batch' or 'step'; got {normalize!r}.")
+        self.source, self.config_dict, self.lora = model, config, lora
+        self._derived: dict[str, Any] = {}  # the transformers config and a meta-device model, each made once
         if lora is not None:
-            _check_lora_targets(model, config, lora)
+            _check_lora_targets(self._meta_model(), lora)
         # NOTE: plain data only, so that checkpoints load with torch.load(weights_only=True)
         self.save_hyperparameters(ignore=["lora"])
         self.hparams["lora"] = asdict(lora) if lora is not None else None
-        self.source, self.config_dict, self.lora = model, config, lora
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.warmup_steps, self.min_lr_ratio, self.normalize = warmup_steps, min_lr_ratio, normalize
         self.model: nn.Module | None = None
@@ -106,14 +107,14 @@ class CausalLMModule(L.LightningModule):
             and self.lora is not None
             and self._trainer is not None
             and self.trainer.precision == "bf16-mixed"
-            and _stored_dtype(self.source) in (torch.bfloat16, torch.float16)  # loading it in bf16 loses nothing
+            and _stored_dtype(self._architecture()) in (torch.bfloat16, torch.float16)  # bf16 loses nothing
         )
         if self.source is not None:
-            _check_ram(self.source, bf16_base)  # before the weights load
+            _check_ram(self._meta_model(), self.source, bf16_base)  # before the weights load
             dtype = torch.bfloat16 if bf16_base else torch.float32
             model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(self.source), dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_config(_architecture(None, self.config_dict))
+            model = AutoModelForCausalLM.from_config(self._architecture())
         if self.lora is not None:
             model = _with_lora(model, self.lora)
         if bf16_base:
@@ -122,13 +123,38 @@ class CausalLMModule(L.LightningModule):
         if tokenizer is not None:
             check_vocab(len(tokenizer), model.get_input_embeddings().num_embeddings)
         self.model = model
+        self._derived.pop("meta", None)
 
     def vocab_size(self) -> int | None:
         """The model's vocabulary from its config (no weights loaded), or ``None`` if the config is unreachable."""
-        try:
-            return _architecture(os.path.expanduser(self.source) if self.source else None, self.config_dict).vocab_size
-        except OSError:
-            return None
+        config = self._architecture()
+        return config.vocab_size if config is not None else None
+
+    def _architecture(self):
+        """The transformers config (no weights), read once; ``None`` if a hub id's config is not reachable."""
+        if "config" not in self._derived:
+            from transformers import AutoConfig
+
+            try:
+                config = (
+                    AutoConfig.for_model(**self.config_dict)
+                    if self.config_dict is not None
+                    else AutoConfig.from_pretrained(os.path.expanduser(self.source))
+                )
+            except OSError:
+                config = None
+            self._derived["config"] = config
+        return self._derived["config"]
+
+    def _meta_model(self) -> nn.Module | None:
+        """The model's modules and parameter shapes on the meta device (no memory); ``None`` without a config."""
+        if "meta" not in self._derived:
+            from transformers import AutoModelForCausalLM
+
+            config = self._architecture()
+            with torch.device("meta"):
+                self._derived["meta"] = AutoModelForCausalLM.from_config(config) if config is not None else None
+        return self._derived["meta"]
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -216,29 +242,9 @@ def check_vocab(tokens: int, vocab: int) -> None:
         )
 
 
-def _architecture(source: str | None, config: dict[str, Any] | None):
-    """The transformers config of a model given by directory/hub id or by a config dict (no weights loaded)."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(**config) if config is not None else AutoConfig.from_pretrained(source)
-
-
-def _meta_model(source: str | None, config: dict[str, Any] | None) -> nn.Module | None:
-    # the model's modules and parameter shapes, without memory; None if its config is not reachable (offline hub)
-    from transformers import AutoModelForCausalLM
-
-    try:
-        cfg = _architecture(os.path.expanduser(source) if source else None, config)
-    except OSError:
-        return None
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(cfg)
-
-
-def _check_lora_targets(source: str | None, config: dict[str, Any] | None, lora: LoRA) -> None:
+def _check_lora_targets(model: nn.Module | None, lora: LoRA) -> None:
     # Before any weights load (and before the CLI writes anything); a hub id whose config is not reachable is
     # checked later, by peft.
-    model = _meta_model(source, config)
     if model is None:
         return
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -250,17 +256,12 @@ def _check_lora_targets(source: str | None, config: dict[str, Any] | None, lora:
         )
 
 
-def _stored_dtype(source: str) -> torch.dtype | None:
-    try:
-        cfg = _architecture(os.path.expanduser(source), None)
-    except OSError:
-        return None
-    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+def _stored_dtype(config) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _check_ram(source: str, bf16_base: bool) -> None:
-    model = _meta_model(source, None)
+def _check_ram(model: nn.Module | None, source: str, bf16_base: bool) -> None:
     if model is None:
         return
     embedding = model.get_input_embeddings().weight
