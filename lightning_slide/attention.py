@@ -110,15 +110,19 @@ def _padded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options: dict) -> Ten
 
 
 def _restarts(position_ids: Tensor | None, batch: int) -> Tensor | None:
-    """cu_seqlens of packed documents when the (1, T) position ids restart; None for one ordinary sequence."""
-    if position_ids is None or batch != 1 or position_ids.shape[-1] == 1:
+    """cu_seqlens of the packed documents in (B, S) position ids; None when no row has more than one.
+
+    As Hugging Face's ``find_packed_sequence_indices``: a document starts at every row start and wherever the
+    position does not follow the previous one (a row may open with the tail of a document, at position > 0).
+    """
+    if position_ids is None or position_ids.shape[-1] == 1:
         return None
-    ids = position_ids.reshape(-1)
-    starts = (ids == ids.min()).nonzero().squeeze(1)
-    if starts.numel() == 1:
+    ids = position_ids.expand(batch, -1)
+    breaks = ids.diff(dim=1) != 1
+    if not breaks.any():
         return None
-    total = torch.tensor([ids.numel()], device=ids.device)
-    return torch.cat([starts, total]).to(torch.int32)
+    starts = torch.cat([torch.ones_like(breaks[:, :1]), breaks], dim=1).reshape(-1).nonzero().squeeze(1)
+    return torch.cat([starts, starts.new_tensor([ids.numel()])]).to(torch.int32)
 
 
 def register() -> None:

@@ -221,6 +221,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             nvme_path=self.nvme_path,
         )
         self.precision_plugin.engine = self.engine
+        # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
+        self.precision_plugin.device = self.root_device.type
         dtype = self.precision_plugin.compute_dtype
         frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
         plan = self.engine.host_plan({p: torch.empty((), dtype=dtype).element_size() for p in frozen})

@@ -68,10 +68,16 @@ def test_dense_matches_sdpa(family, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_packed_documents_via_position_ids_match_sdpa(device):
+@pytest.mark.parametrize(
+    "rows",
+    [[range(7), range(15), range(8)],
+     # several rows, each opening with the tail of a document (its positions continue from an earlier row)
+     [range(5, 9), range(15), range(11), range(28, 31), range(27), range(11, 14), range(27)]],
+)  # fmt: skip
+def test_packed_documents_via_position_ids_match_sdpa(device, rows):
     sdpa, slide = _pair("llama", device)
-    ids = torch.randint(0, VOCAB, (1, 30), device=device)
-    position_ids = torch.cat([torch.arange(n) for n in (7, 15, 8)]).unsqueeze(0).to(device)
+    position_ids = torch.tensor([p for r in rows for p in r]).view(-1, 30).to(device)
+    ids = torch.randint(0, VOCAB, position_ids.shape, device=device)
     # use_cache=False: with a cache, Hugging Face's SDPA path does not detect packing (masking_utils)
     _check(sdpa, slide, input_ids=ids, labels=ids, position_ids=position_ids, use_cache=False)
 

@@ -117,6 +117,15 @@ def test_bf16_mixed_is_the_default_on_cuda():
     assert explicit.precision_plugin.precision == "32-true"
 
 
+def test_cpu_run_on_a_cuda_machine_autocasts_on_the_cpu():
+    # the precision plugin is made before the accelerator is known; a CPU bf16 run must not autocast for CUDA
+    module = CausalLM(tiny_config("llama"))
+    ref32, _ = fit(module, "auto", accelerator="cpu")
+    plain16, _ = fit(module, "auto", accelerator="cpu", precision="bf16-mixed")
+    ours16, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="cpu", precision="bf16-mixed")
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
+
+
 def test_window_that_does_not_fit_names_the_setting(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 30))  # 1 MiB free
     with pytest.raises(torch.OutOfMemoryError, match=r"num_slots=\.\.\.\) \(minimum 2\)"):

@@ -34,7 +34,7 @@ def train(strategy="auto", *, precision="32-true", steps=4, lora=None, model=Non
                    num_sanity_val_steps=0, limit_val_batches=2)  # fmt: skip
     options.update(trainer_kwargs)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, precision=precision, max_steps=steps, **options
+        strategy=strategy, accelerator=accelerator, devices=1, precision=precision, max_steps=steps, **options
     )
     trainer.fit(module, data)
     state = {k: v.detach().float().clone() for k, v in module.model.state_dict().items()}
