@@ -1,0 +1,139 @@
+"""Memory benchmark (GPU machine): the model sizes the NVMe tier and activation offload are for, trained with
+``CausalLMModule`` (random init from a config) through ``Trainer(strategy=SlideFormerStrategy(...))`` in
+bf16-mixed, the GPU capped at --gpu-cap-gib.
+
+Cases (one per process, so each host peak is its own):
+  8b         Llama-3.1-8B shape, full fine-tune, optimizer state in RAM, 32k tokens/step (8 x 4096); then, in the
+             same process, one 64k-token sequence with activation offload (its host peak includes the first run's)
+  3b-nvme    Llama-3.2-3B shape, full fine-tune, Adam state on NVMe under --nvme-path, 32k tokens/step; dd's
+             O_DIRECT write and read bandwidth on the same disk, measured in the same run
+
+Reports tokens/s (median step), peak GPU memory (allocated, reserved), peak host RSS (VmHWM) and bytes per
+parameter, and for NVMe the disk bytes the process read and wrote per step (/proc/self/io) over the step time.
+Appends CSV rows to --out.
+
+    python benchmarks/bench_memory.py --case 8b --out benchmarks/results/memory.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+
+import torch
+
+from bench_core import GIB, peak_rss, reset_peak_rss
+from results_csv import append_row, environment
+
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                rope_theta=500000.0, tie_word_embeddings=False)  # fmt: skip
+LLAMA_3B = dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                rope_theta=500000.0, tie_word_embeddings=True)  # fmt: skip
+
+
+def io_bytes() -> tuple[int, int]:
+    """Bytes this process read from and wrote to storage (O_DIRECT included)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_gib: float) -> dict:
+    """Fit ``module`` for warmup + steps on random tokens; the median step's figures."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+    marks = []
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, *args):
+            torch.cuda.synchronize()
+            marks.append((time.perf_counter(), *io_bytes()))
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128256, (warmup + steps, batch, seq), generator=g)
+    data = [{"input_ids": ids, "labels": ids} for ids in tokens]
+    torch.cuda.reset_peak_memory_stats()
+    reset_peak_rss()
+    start = time.perf_counter()
+    trainer = L.Trainer(
+        strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps, logger=False, callbacks=[Clock()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data, batch_size=None))
+    steps_ = [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(marks[warmup - 1 :], marks[warmup:])]
+    step_s, read, written = sorted(steps_)[len(steps_) // 2]
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    module._trainer = None  # the trainer holds the optimizer and its state: let the next run start without them
+    return {
+        "step_s": step_s, "tok_s": batch * seq / step_s, "first_step_s": marks[0][0] - start,
+        "gpu_alloc_gib": torch.cuda.max_memory_allocated() / GIB,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB, "host_peak_gib": peak_rss() / GIB,
+        "disk_read_gb_per_step": read / 1e9, "disk_write_gb_per_step": written / 1e9,
+        "disk_gb_s": (read + written) / 1e9 / step_s,
+    }  # fmt: skip
+
+
+def dd_bandwidth(directory: str, gib: int = 4) -> str:
+    """dd's O_DIRECT write then read of a ``gib`` GiB file in ``directory`` (the disk's reference figure)."""
+    path = os.path.join(directory, "dd.bin")
+    figures = []
+    for args in ([f"of={path}", "if=/dev/zero", "oflag=direct"], [f"if={path}", "of=/dev/null", "iflag=direct"]):
+        run = subprocess.run(["dd", "bs=8M", f"count={gib * 128}", *args], capture_output=True, text=True)
+        figures.append(run.stderr.strip().splitlines()[-1])
+    os.remove(path)
+    return f"dd write: {figures[0]} | dd read: {figures[1]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=["8b", "3b-nvme"], required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
+    parser.add_argument("--long-seq", type=int, default=65536, help="8b: the activation-offload sequence")
+    parser.add_argument("--nvme-path", default="slide-nvme")
+    parser.add_argument("--out", default="benchmarks/results/memory.csv")
+    args = parser.parse_args()
+
+    import lightning
+    import transformers
+
+    from lightning_slide import CausalLMModule, SlideFormerStrategy
+
+    common = {**environment(), "lightning": lightning.__version__, "transformers": transformers.__version__}
+
+    def record(name: str, batch: int, seq: int, module, strategy, note: str = "") -> None:
+        try:
+            result = train(module, strategy, batch, seq, args.steps, args.warmup, args.gpu_cap_gib)
+        except Exception as err:  # keep what was measured; say what failed
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            result = {"step_s": float("nan"), "note": f"FAILED: {type(err).__name__}: {str(err)[:300]}"}
+        params = sum(p.numel() for p in module.parameters())
+        row = {**common, "case": name, "params": params, "batch": batch, "seq": seq, "note": note, **result}
+        if "host_peak_gib" in row:
+            row["host_b_per_param"] = row["host_peak_gib"] * GIB / params
+            row["host_target_b_per_param"] = (13 if "nvme" not in name else 5) + 2 * GIB / params
+        append_row(args.out, row)
+
+    if args.case == "8b":
+        module = CausalLMModule(config=LLAMA_8B, lr=1e-5)
+        record("llama3.1-8b full, state in RAM", 8, 4096, module, SlideFormerStrategy())
+        record("llama3.1-8b full, 64k sequence, activation offload", 1, args.long_seq, module,
+               SlideFormerStrategy(offload_activations=True), note="host peak includes the 32k run's")  # fmt: skip
+    else:
+        os.makedirs(args.nvme_path, exist_ok=True)
+        reference = dd_bandwidth(args.nvme_path)
+        module = CausalLMModule(config=LLAMA_3B, lr=1e-5)
+        strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=args.nvme_path)
+        record("llama3.2-3b full, Adam state on NVMe", 8, 4096, module, strategy, note=reference)
+
+
+if __name__ == "__main__":
+    main()
