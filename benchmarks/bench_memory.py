@@ -23,8 +23,8 @@ import subprocess
 import time
 
 import torch
-
 from bench_core import GIB, peak_rss, reset_peak_rss
+
 from results_csv import append_row, environment
 
 LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
