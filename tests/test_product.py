@@ -147,18 +147,23 @@ def test_step_normalization_weighs_every_token_of_the_accumulation_step_equally(
 
 
 @pytest.mark.gpu
-def test_module_on_cuda_bf16_uses_the_kernels_and_reports_mfu():
+def test_module_on_cuda_bf16_uses_the_kernels_and_reports_mfu(tmp_path):
     # head dim 32: the strategy switches to attn_implementation="slide"; the loss runs the Triton kernel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # one set of initial weights: a model built from a config inits on the strategy's device, with its RNG
+    torch.manual_seed(0)
     config = dict(TINY, hidden_size=128, intermediate_size=344, max_position_embeddings=256)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(tmp_path)
     seen = set()
 
     class Look(L.Callback):
         def on_train_batch_end(self, trainer, module, *args):
             seen.add(module.causal_lm.config._attn_implementation)
 
-    ref32, _, _ = train(config=config, accelerator="gpu", steps=6)
-    plain16, _, _ = train(config=config, accelerator="gpu", precision="bf16-mixed", steps=6)
-    ours16, _, metrics = train(SlideFormerStrategy(num_slots=2), config=config, accelerator="gpu",
+    ref32, _, _ = train(model=str(tmp_path), accelerator="gpu", steps=6)
+    plain16, _, _ = train(model=str(tmp_path), accelerator="gpu", precision="bf16-mixed", steps=6)
+    ours16, _, metrics = train(SlideFormerStrategy(num_slots=2), model=str(tmp_path), accelerator="gpu",
                                precision="bf16-mixed", steps=6, callbacks=[Look(), SlideMonitor()])  # fmt: skip
     assert seen == {"slide"}
     assert 0 < metrics["perf/mfu"] < 1
