@@ -56,6 +56,20 @@ def test_activation_offload_on_cuda_matches(clip):
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
+def test_activation_offload_with_busy_compute_stream_matches():
+    # the opposite regime: large activations and matmuls, so the compute stream runs far behind the host and
+    # freed activation memory is handed out again while kernels still read it (the fetch must wait for them)
+    config = tiny_config("llama", layers=6, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+                         num_key_value_heads=4, max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    module = CausalLM(config, optimizer="sgd", lr=0.05)
+    kwargs = dict(accelerator="gpu", data=token_data(8, seq=1024), batch_size=4, steps=2)
+    ref, _ = fit(module, "auto", **kwargs)
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=True), **kwargs)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
 def test_low_intensity_check_detects_a_missing_wait(monkeypatch):
     from lightning_slide import NonFiniteGradientError
     from lightning_slide.engine.transfer import Transfer

@@ -81,7 +81,11 @@ class ActivationStash:
         for e in entries:
             if isinstance(e, _Offloaded) and e.back is None:
                 e.back = torch.empty(e.shape, dtype=e.dtype, device=self.transfer.device)
-                e.fetched = self.transfer.upload([(e.raw.view(e.dtype).view(e.shape), e.back)], after=e.saved)
+                # NOTE: `back` comes from the current stream's pool: its memory may still be read by kernels queued
+                # there (freed tensors are reused in stream order). The upload stream must wait for them too, or
+                # it overwrites live data (NaN gradients at 32k tokens on the H200; tiny tests did not show it).
+                here = self.transfer.record()
+                e.fetched = self.transfer.upload([(e.raw.view(e.dtype).view(e.shape), e.back)], after=(e.saved, here))
 
     def _take(self, nbytes: int) -> Tensor:
         free = self._free.get(nbytes)

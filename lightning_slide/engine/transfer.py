@@ -110,8 +110,11 @@ class Transfer:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
-    def upload(self, pairs: list[tuple[Tensor, Tensor]], after: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        """Copy each host ``src`` into its device ``dst`` (converting dtype) once ``after`` has passed.
+    def upload(
+        self, pairs: list[tuple[Tensor, Tensor]], after: torch.cuda.Event | tuple | None
+    ) -> torch.cuda.Event | None:
+        """Copy each host ``src`` into its device ``dst`` (converting dtype) once ``after`` (an event, or a tuple of
+        events and ``None``) has passed.
 
         Returns:
             an event marking the copies done (``None`` on the CPU, where they are done on return).
@@ -121,8 +124,9 @@ class Transfer:
                 dst.copy_(src)
             return None
         with torch.cuda.stream(self.upload_stream):
-            if after is not None:
-                self.upload_stream.wait_event(after)
+            for event in after if isinstance(after, tuple) else (after,):
+                if event is not None:
+                    self.upload_stream.wait_event(event)
             for src, dst in pairs:
                 if src.dtype == dst.dtype:
                     dst.copy_(src, non_blocking=True)
