@@ -61,7 +61,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             LoRA base) in bf16 on the host: half the memory, and exactly the values bf16 compute reads. The
             module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
         offload_activations: keep the inputs each block saves for its recompute in pooled host memory instead of
-            on the GPU, fetched back one block ahead of the backward pass (long contexts).
+            on the GPU, fetched back one block ahead of the backward pass (long contexts). ``"auto"``: on CUDA,
+            when keeping all of them would not leave one block's working memory free on the GPU (decided at the
+            first training step, logged); never on the CPU.
         optimizer_offload: where Adam's moments live between updates: ``"cpu"`` (RAM) or ``"nvme"`` (files under
             ``nvme_path``, read before each parameter's update and written after it; 8 bytes per trainable
             parameter less RAM).
@@ -82,7 +84,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         update_schedule: Literal["auto", "backward", "forward"] = "auto",
         install_loss: bool = True,
         frozen_in_compute_dtype: bool = True,
-        offload_activations: bool = False,
+        offload_activations: bool | Literal["auto"] = "auto",
         optimizer_offload: Literal["cpu", "nvme"] = "cpu",
         nvme_path: str | None = None,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -102,6 +104,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             raise ValueError(f"cpu_threads must be a positive int or None; got {cpu_threads!r}.")
         if attention not in ("auto", "slide", None):
             raise ValueError(f"attention must be 'auto', 'slide' or None; got {attention!r}.")
+        if offload_activations not in (True, False, "auto"):
+            raise ValueError(f"offload_activations must be True, False or 'auto'; got {offload_activations!r}.")
         if optimizer_offload not in ("cpu", "nvme"):
             raise ValueError(f"optimizer_offload must be 'cpu' or 'nvme'; got {optimizer_offload!r}.")
         if optimizer_offload == "nvme":
@@ -386,12 +390,15 @@ def _explain_oom(strategy: SlideFormerStrategy) -> Generator[None, None, None]:
     try:
         yield
     except torch.OutOfMemoryError as err:
+        engine = strategy.engine
+        window = engine.device_bytes() / 2**30 if engine else float("nan")
+        offload = "" if engine and engine.offloading else " SlideFormerStrategy(offload_activations=True),"
         raise torch.OutOfMemoryError(
             f"{err}\nSlideFormer ran out of GPU memory. Its window of {strategy.num_slots} block slots, the head and"
-            " staging take {:.2f} GiB; the rest is activations. Lower the tokens per step (batch size or sequence"
-            " length, and use accumulate_grad_batches instead), or SlideFormerStrategy(num_slots=2).".format(
-                strategy.engine.device_bytes() / 2**30 if strategy.engine else float("nan")
-            )
+            f" staging take {window:.2f} GiB; the rest is activations. Lower the tokens per step (batch size or"
+            f" sequence length, and use accumulate_grad_batches instead),{offload} or SlideFormerStrategy(num_slots=2)."
+            " Much memory 'reserved but unallocated' above: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            " before starting Python."
         ) from err
 
 

@@ -160,3 +160,32 @@ def test_activation_offload_gives_the_same_training(clip, accumulate):
     assert all(torch.equal(moved[k], kept[k]) for k in kept)  # copies are exact
     err, where = max_rel_error(moved, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+@pytest.mark.parametrize(("budget", "offloads"), [(1 << 40, False), (1 << 10, True), (None, False)])
+def test_auto_activation_offload_follows_the_gpu_budget(monkeypatch, caplog, budget, offloads):
+    # the budget a GPU would report (None: the CPU); "auto" offloads when the saved inputs would crowd it out
+    import lightning_slide.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "device_budget", lambda device: budget)
+    pooled = []
+
+    class Look(L.Callback):
+        def on_train_end(self, trainer, module):
+            pooled.append(sum(len(v) for v in trainer.strategy.engine.activations._free.values()))
+
+    module = StackLM()
+    ref, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=False))
+    with caplog.at_level("INFO"):
+        ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[Look()])
+    assert (pooled[0] > 0) == offloads
+    assert ("SlideFormer offloads activations" in caplog.text) == offloads
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
+def test_offload_needs_room_for_every_saved_input_and_one_block_at_work():
+    from lightning_slide.engine.planner import WORKING_INPUTS, offload_needed
+
+    assert not offload_needed(10, blocks=8, budget=(8 + WORKING_INPUTS) * 10)
+    assert offload_needed(10, blocks=8, budget=(8 + WORKING_INPUTS) * 10 - 1)
+    assert not offload_needed(10**12, blocks=8, budget=None)

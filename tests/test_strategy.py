@@ -59,6 +59,7 @@ def test_unsupported_precision_is_a_clear_error(precision):
         ({"on_nonfinite": "ignore"}, "on_nonfinite must be"),
         ({"cpu_threads": 0}, "cpu_threads must be"),
         ({"attention": "flash"}, "attention must be 'auto', 'slide' or None"),
+        ({"offload_activations": "sometimes"}, "offload_activations must be True, False or 'auto'"),
     ],
 )
 def test_bad_options(kwargs, match):
@@ -229,3 +230,25 @@ def test_the_strategy_checkpoints_through_slide_checkpoint_io():
     from lightning_slide.checkpoint_io import SlideCheckpointIO
 
     assert isinstance(SlideFormerStrategy().checkpoint_io, SlideCheckpointIO)
+
+
+def test_out_of_memory_in_training_names_the_settings_that_help(monkeypatch):
+    module = StackLM()
+    calls = []
+
+    def oom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:  # a few blocks into the forward
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return original(*args, **kwargs)
+
+    import lightning_slide.engine.functions as functions
+
+    original = functions._Call.run
+    monkeypatch.setattr(functions._Call, "run", oom)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        fit(module, SlideFormerStrategy(num_slots=2, offload_activations=False))
+    message = str(info.value)
+    assert "Tried to allocate 2.00 GiB" in message
+    for setting in ("offload_activations=True", "num_slots=2", "accumulate_grad_batches", "expandable_segments"):
+        assert setting in message

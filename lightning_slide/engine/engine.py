@@ -32,7 +32,7 @@ from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
 from .nvme import NvmeStateStore
 from .optim import CpuOptimizer
-from .planner import HostPlan, plan_host
+from .planner import WORKING_INPUTS, HostPlan, device_budget, offload_needed, plan_host
 from .transfer import Transfer
 from .units import DeviceBuffer, Unit, max_sizes
 from .worker import CpuWorker
@@ -76,7 +76,8 @@ class SlideEngine:
         max_queued_grad_bytes: device memory that gradients waiting to be sent may hold before the backward
             pass waits.
         offload_activations: keep the blocks' saved inputs in pooled host memory between forward and backward
-            (long contexts; see ``activations.py``).
+            (long contexts; see ``activations.py``); ``"auto"``: on CUDA, when the first training forward finds
+            that keeping them all would not leave a block's working memory free on the GPU (``planner.py``).
         nvme_path: keep Adam's moments in files in a private directory made here (the NVMe tier, ``nvme.py``)
             instead of in RAM.
     """
@@ -99,7 +100,7 @@ class SlideEngine:
         chunk_numel: int = 1 << 23,
         landing_buffers: int = 64,
         max_queued_grad_bytes: int = 1 << 30,
-        offload_activations: bool = False,
+        offload_activations: bool | Literal["auto"] = False,
         nvme_path: str | None = None,
     ) -> None:
         if num_slots < 2:
@@ -143,6 +144,7 @@ class SlideEngine:
         self._retain = retain_grads or schedule == "forward"
         self._offload_activations = offload_activations
         self.activations: ActivationStash | None = None
+        self.offloading: bool | None = False  # whether block inputs go to the host; None: "auto", undecided
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self._plan: StepPlan | None = None
         self._order: dict[Unit, None] = {}  # units in the order of the first training forward
@@ -287,6 +289,7 @@ class SlideEngine:
             self.optimizer.store = NvmeStateStore(self.nvme_path, self._state_units(), self._state_keys())
         if self._offload_activations:
             self.activations = ActivationStash(self.transfer)
+            self.offloading = None if self._offload_activations == "auto" else True
         move_except_parameters(self.model, self.device)
         self._pin_masters()
         ring_sizes = max_sizes(self.blocks)
@@ -488,6 +491,24 @@ class SlideEngine:
 
     def is_block(self, unit: Unit) -> bool:
         return unit in self._block_index
+
+    def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool:
+        """Whether ``unit`` keeps its saved ``inputs`` in host memory (with ``"auto"``, decided at the first
+        block that saves any, from their size and the GPU memory left)."""
+        if self.activations is None or not self.is_block(unit):
+            return False
+        if self.offloading is None:
+            saved = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
+            budget = device_budget(self.device)
+            self.offloading = offload_needed(saved, len(self.blocks), budget)
+            if self.offloading:
+                log.info(
+                    "SlideFormer offloads activations: the saved inputs of %d blocks (%.2f GiB) and one block's"
+                    " working memory (~%.2f GiB) exceed the %.2f GiB left on the GPU.",
+                    len(self.blocks), saved * len(self.blocks) / 2**30, saved * WORKING_INPUTS / 2**30,
+                    budget / 2**30,
+                )  # fmt: skip
+        return self.offloading
 
     def begin_step(self, step: int) -> None:
         """``optimizer_step`` was called: the hyperparameters in force now are the ones applied."""

@@ -92,7 +92,7 @@ class _UnitFunction(Function):
         outs = tuple(flat_out[i] for i in call.out_positions)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         ctx.call = call
-        if engine.activations is not None and engine.is_block(unit):
+        if engine.offloads(unit, tensors):
             ctx.offloaded = engine.activations.save(tensors)  # kept in host memory until the backward
         else:
             ctx.save_for_backward(*tensors)

@@ -138,3 +138,27 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
             f" is {memlock / GIB:.2f} GiB. Raise it (`ulimit -l unlimited`, or memlock in"
             " /etc/security/limits.conf) and start again."
         )
+
+
+# One block's recompute and backward, in units of its saved input (tokens x hidden, fp32 residual stream): the MLP's
+# bf16 intermediates (~3.5x the hidden width each), attention's q/k/v/o, the norms, and their gradients. From the
+# H200 run of Llama 4096/14336 blocks at 32k tokens: 17.1 GiB peak = 4 GiB of 8 saved inputs + ~8.5 GiB working
+# + the window.
+WORKING_INPUTS = 16
+
+
+def device_budget(device: torch.device) -> int | None:
+    """Bytes the caching allocator may still hand out on ``device``: its free memory and cached blocks, within the
+    process's cap (``torch.cuda.set_per_process_memory_fraction``); ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+    return min(free + torch.cuda.memory_reserved(device) - allocated, cap - allocated)
+
+
+def offload_needed(saved_bytes: int, blocks: int, budget: int | None) -> bool:
+    """Whether the blocks' saved inputs must leave the GPU: all of them (``saved_bytes`` each) and one block's
+    working memory would not fit ``budget``."""
+    return budget is not None and (blocks + WORKING_INPUTS) * saved_bytes > budget
