@@ -97,24 +97,25 @@ class CausalLMModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Build or load the model. With LoRA under bf16-mixed, a base stored in bf16 loads as bf16 (2 bytes per
-        parameter, the values bf16 compute reads), with norms, the embedding and the adapters in fp32."""
+        parameter, the values bf16 compute reads), with norms, the embedding and the adapters in fp32; so does a base
+        built from a config that says ``dtype: bfloat16``."""
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM
 
         bf16_base = (
-            self.source is not None
-            and self.lora is not None
+            self.lora is not None
             and self._trainer is not None
             and self.trainer.precision == "bf16-mixed"
             and _stored_dtype(self._architecture()) in (torch.bfloat16, torch.float16)  # bf16 loses nothing
         )
+        # before any weight is made or loaded
+        _check_ram(self._meta_model(), f"Loading {self.source}" if self.source else "Building config=", bf16_base)
+        dtype = torch.bfloat16 if bf16_base else torch.float32
         if self.source is not None:
-            _check_ram(self._meta_model(), self.source, bf16_base)  # before the weights load
-            dtype = torch.bfloat16 if bf16_base else torch.float32
             model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(self.source), dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_config(self._architecture())
+            model = AutoModelForCausalLM.from_config(self._architecture(), dtype=dtype)
         if self.lora is not None:
             model = _with_lora(model, self.lora)
         if bf16_base:
@@ -261,7 +262,7 @@ def _stored_dtype(config) -> torch.dtype | None:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _check_ram(model: nn.Module | None, source: str, bf16_base: bool) -> None:
+def _check_ram(model: nn.Module | None, what: str, bf16_base: bool) -> None:
     if model is None:
         return
     embedding = model.get_input_embeddings().weight
@@ -269,7 +270,7 @@ def _check_ram(model: nn.Module | None, source: str, bf16_base: bool) -> None:
     available = available_host_bytes()
     if need > available:
         raise MemoryError(
-            f"Loading {source} needs {need / 2**30:.1f} GiB of RAM for its weights"
+            f"{what} needs {need / 2**30:.1f} GiB of RAM for its weights"
             f" ({'bf16 base' if bf16_base else 'fp32'}), but only {available / 2**30:.1f} GiB is available. Free RAM,"
             + ("" if bf16_base else " or train LoRA under bf16-mixed (the base then loads in bf16),")
             + " or use a machine with more memory."

@@ -223,6 +223,24 @@ def test_a_model_too_big_for_ram_is_refused_before_loading(tmp_path, monkeypatch
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", must_not_load)
     with pytest.raises(MemoryError, match=r"needs 0\.0 GiB of RAM for its weights \(fp32\), but only 0\.0 GiB"):
         CausalLMModule(model=str(tmp_path)).configure_model()
+    from_config = AutoModelForCausalLM.from_config
+
+    def only_on_meta(*args, **kwargs):  # the meta-device model (no memory) that sizes the weights is allowed
+        assert torch.get_default_device().type == "meta", "weights were built"
+        return from_config(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", only_on_meta)
+    with pytest.raises(MemoryError, match=r"Building config= needs 0\.0 GiB of RAM"):
+        CausalLMModule(config=TINY).configure_model()
+
+
+def test_lora_base_from_a_bf16_config_is_built_in_bf16():
+    _, module, _ = train(SlideFormerStrategy(num_slots=2), lora=LoRA(r=4), config=dict(TINY, dtype="bfloat16"),
+                         precision="bf16-mixed", steps=2)  # fmt: skip
+    base = module.causal_lm.model
+    assert base.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # built so: a 32B base takes 64 GB, not 128
+    assert base.layers[0].input_layernorm.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in module.parameters() if p.requires_grad)
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------
