@@ -20,10 +20,28 @@ from .monitor import SlideMonitor
 class SlideCLI(LightningCLI):
     """Lightning's CLI, with the checks that need both the model and the data made before anything is written."""
 
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        if self._get(self.config_init, "trainer", default={}).get("logger") in (None, True):
+            trainer.loggers = default_loggers(trainer.default_root_dir)
+        return trainer
+
     def before_fit(self) -> None:
         vocab = self.model.vocab_size()
         if vocab is not None:
             check_vocab(len(self.datamodule.load_tokenizer()), vocab)
+
+
+def default_loggers(root: str) -> list:
+    """Lightning's logger default picks one; the command logs to CSV, and to TensorBoard too when installed (one
+    ``lightning_logs/version_N`` directory for both)."""
+    from lightning.fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    csv = CSVLogger(save_dir=root)
+    if not (_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE):
+        return [csv]
+    return [csv, TensorBoardLogger(save_dir=root, version=csv.version)]
 
 
 def main(args: list[str] | None = None) -> None:

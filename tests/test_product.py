@@ -472,3 +472,16 @@ def test_the_notebook_executes(monkeypatch):
     ).execute()
     outputs = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
     assert "val/accuracy" in outputs
+
+
+def test_the_command_logs_to_csv_and_to_tensorboard_when_installed(tmp_path):
+    from lightning.fabric.loggers.tensorboard import _TENSORBOARD_AVAILABLE, _TENSORBOARDX_AVAILABLE
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_slide.cli import default_loggers
+
+    loggers = default_loggers(str(tmp_path))
+    assert isinstance(loggers[0], CSVLogger)
+    assert [type(x) for x in loggers[1:]] == (
+        [TensorBoardLogger] if _TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE else []
+    )
