@@ -122,6 +122,7 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
     data = DataLoader(batches(warmup + steps, batch, seq), batch_size=None)
     trainer.fit(module, data)
     torch.cuda.synchronize()
+    module._trainer = None  # the trainer holds the optimizer and its state: the next run starts without them
     step_times = [b - a for a, b in zip(times[warmup - 1 :], times[warmup:])]
     deltas = [[b - a for a, b in zip(t0, t1)] for t0, t1 in zip(timeline[warmup - 1 :], timeline[warmup:])]
     mid = sorted(range(len(step_times)), key=step_times.__getitem__)[len(step_times) // 2]
