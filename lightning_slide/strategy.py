@@ -27,7 +27,7 @@ from typing_extensions import override
 from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
 from .engine import SlideEngine
-from .engine.planner import available_host_bytes, check_host, locked_memory_limit
+from .engine.planner import HostPlan, available_host_bytes, check_host, locked_memory_limit
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .precision import SlideFormerPrecision
@@ -66,8 +66,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             first training step, logged); never on the CPU.
         optimizer_offload: where Adam's moments live between updates: ``"cpu"`` (RAM) or ``"nvme"`` (files under
             ``nvme_path``, read before each parameter's update and written after it; 8 bytes per trainable
-            parameter less RAM).
-        nvme_path: an existing, writable directory on a fast disk for ``optimizer_offload="nvme"``; ``None``: the
+            parameter less RAM); ``"auto"``: in RAM, unless they would not fit there and ``nvme_path`` is given
+            (decided from the host plan before anything is pinned, logged).
+        nvme_path: an existing, writable directory on a fast disk for the NVMe tier; ``None``: the
             ``SLIDE_NVME_PATH`` environment variable.
         attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
             (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
@@ -85,7 +86,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         install_loss: bool = True,
         frozen_in_compute_dtype: bool = True,
         offload_activations: bool | Literal["auto"] = "auto",
-        optimizer_offload: Literal["cpu", "nvme"] = "cpu",
+        optimizer_offload: Literal["auto", "cpu", "nvme"] = "auto",
         nvme_path: str | None = None,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
@@ -106,10 +107,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             raise ValueError(f"attention must be 'auto', 'slide' or None; got {attention!r}.")
         if offload_activations not in (True, False, "auto"):
             raise ValueError(f"offload_activations must be True, False or 'auto'; got {offload_activations!r}.")
-        if optimizer_offload not in ("cpu", "nvme"):
-            raise ValueError(f"optimizer_offload must be 'cpu' or 'nvme'; got {optimizer_offload!r}.")
-        if optimizer_offload == "nvme":
-            nvme_path = _check_nvme_path(nvme_path or os.environ.get("SLIDE_NVME_PATH"))
+        if optimizer_offload not in ("auto", "cpu", "nvme"):
+            raise ValueError(f"optimizer_offload must be 'auto', 'cpu' or 'nvme'; got {optimizer_offload!r}.")
+        nvme_path = nvme_path or os.environ.get("SLIDE_NVME_PATH")
+        if optimizer_offload == "nvme" or (optimizer_offload == "auto" and nvme_path):
+            nvme_path = _check_nvme_path(nvme_path)
         self._parallel_devices: list[torch.device] = []
         super().__init__(
             accelerator=accelerator,
@@ -123,7 +125,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.frozen_in_compute_dtype = frozen_in_compute_dtype
         self.offload_activations = offload_activations
         self.optimizer_offload = optimizer_offload
-        self.nvme_path = nvme_path if optimizer_offload == "nvme" else None
+        self.nvme_path = nvme_path if optimizer_offload != "cpu" else None
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
@@ -208,31 +210,43 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             restore = use_slide_attention(layout.pretrained, required=self.attention == "slide")
             if restore is not None:
                 self._restores.append(restore)
-        self.engine = SlideEngine(
-            module,
-            layout.blocks,
-            self.root_device,
-            compute_dtype=self.precision_plugin.compute_dtype,
-            embedding=layout.embedding,
-            head=layout.head,
-            optimizer=optimizer,
-            schedule=schedule,
-            retain_grads=trainer.accumulate_grad_batches > 1,
-            num_slots=self.num_slots,
-            on_nonfinite=self.on_nonfinite,
-            cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
-            offload_activations=self.offload_activations,
-            nvme_path=self.nvme_path,
-        )
+
+        def engine(nvme_path: str | None) -> SlideEngine:
+            return SlideEngine(
+                module,
+                layout.blocks,
+                self.root_device,
+                compute_dtype=self.precision_plugin.compute_dtype,
+                embedding=layout.embedding,
+                head=layout.head,
+                optimizer=optimizer,
+                schedule=schedule,
+                retain_grads=trainer.accumulate_grad_batches > 1,
+                num_slots=self.num_slots,
+                on_nonfinite=self.on_nonfinite,
+                cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
+                offload_activations=self.offload_activations,
+                nvme_path=nvme_path,
+            )
+
+        self.engine = engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
+        dtype = self.precision_plugin.compute_dtype
+        frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
+        stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
+        plan, available = self.engine.host_plan(stored), available_host_bytes()
+        if self._state_to_disk(plan, available):
+            log.info(
+                "SlideFormer keeps the optimizer state on NVMe (%s): in RAM the run would need %.2f GiB more than"
+                " the %.2f GiB available.", self.nvme_path, plan.added / 2**30, available / 2**30,
+            )  # fmt: skip
+            self.engine = engine(self.nvme_path)
+            plan = self.engine.host_plan(stored)
         self.precision_plugin.engine = self.engine
         # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
         self.precision_plugin.device = self.root_device.type
-        dtype = self.precision_plugin.compute_dtype
-        frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
-        plan = self.engine.host_plan({p: torch.empty((), dtype=dtype).element_size() for p in frozen})
         log.info("SlideFormer %s", plan.describe())
-        disk_free = shutil.disk_usage(self.nvme_path).free if self.nvme_path else None
-        check_host(plan, available_host_bytes(), locked_memory_limit() if cuda else None, disk_free)
+        disk_free = shutil.disk_usage(self.engine.nvme_path).free if self.engine.nvme_path else None
+        check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
         self.engine.setup()
@@ -247,6 +261,17 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.model = module
         if fitting:
             self.setup_precision_plugin()
+
+    def _state_to_disk(self, plan: HostPlan, available: int) -> bool:
+        """``optimizer_offload="auto"``: whether Adam's state goes to ``nvme_path`` (it would not fit in RAM)."""
+        optimizer = self.engine.optimizer
+        return (
+            self.optimizer_offload == "auto"
+            and self.nvme_path is not None
+            and optimizer is not None
+            and not optimizer.is_sgd
+            and plan.added > available
+        )
 
     def _resolve_schedule(self, trainer: Any, module: LightningModule) -> str:
         clipping = bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)

@@ -106,6 +106,40 @@ def test_too_small_disk_is_refused_before_anything_is_written(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("ram", ["plenty", "short"])
+def test_auto_puts_the_state_on_nvme_only_when_ram_is_short(tmp_path, monkeypatch, caplog, ram):
+    import lightning_slide.engine.planner as planner
+    import lightning_slide.strategy as strategy_module
+
+    on_disk, added = [], []
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            on_disk.append(trainer.strategy.engine.optimizer.store is not None)
+            added.append(trainer.strategy.engine.host_plan().added)
+
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="cpu"), callbacks=[Look()])
+    on_disk.clear()
+    if ram == "short":  # one byte less than the state in RAM needs; on disk it needs less (no read-ahead here)
+        monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: added[0] - 1)
+        monkeypatch.setattr(planner, "READ_AHEAD_BYTES", 0)
+    with caplog.at_level("INFO"):
+        ours, _ = fit(module, SlideFormerStrategy(num_slots=2, nvme_path=str(tmp_path)), callbacks=[Look()])
+    assert set(on_disk) == {ram == "short"}
+    assert ("keeps the optimizer state on NVMe" in caplog.text) == (ram == "short")
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
+def test_auto_without_a_disk_refuses_short_ram_naming_nvme_path(monkeypatch):
+    import lightning_slide.strategy as strategy_module
+
+    monkeypatch.delenv("SLIDE_NVME_PATH", raising=False)
+    monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: 1 << 16)
+    with pytest.raises(MemoryError, match=r"SlideFormerStrategy\(nvme_path=\.\.\.\) or \$SLIDE_NVME_PATH"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=1)
+
+
 def test_the_nvme_preset_reads_its_directory_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SLIDE_NVME_PATH", str(tmp_path))
     strategy = L.Trainer(strategy="slideformer_nvme", accelerator="cpu", logger=False).strategy

@@ -127,8 +127,8 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
     if plan.added > available:
         raise MemoryError(
             f"SlideFormer needs {plan.added / GIB:.2f} GiB more host memory but only {available / GIB:.2f} GiB is"
-            f" available ({plan.describe()}). Move the optimizer state to disk"
-            " (SlideFormerStrategy(optimizer_offload='nvme', nvme_path=...)), train fewer parameters (LoRA:"
+            f" available ({plan.describe()}). Move the optimizer state to disk (SlideFormerStrategy(nvme_path=...)"
+            " or $SLIDE_NVME_PATH: optimizer_offload='auto' then puts it there), train fewer parameters (LoRA:"
             " CausalLMModule(lora=...)), or drop gradient clipping and accumulation (they keep a full fp32 copy of"
             f" the gradients: {plan.retained_grads / GIB:.2f} GiB); or free RAM."
         )
