@@ -27,7 +27,14 @@ from typing_extensions import override
 from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
 from .engine import SlideEngine
-from .engine.planner import HostPlan, available_host_bytes, check_host, locked_memory_limit
+from .engine.planner import (
+    HostPlan,
+    available_host_bytes,
+    check_host,
+    device_budget,
+    locked_memory_limit,
+    window_slots,
+)
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .precision import SlideFormerPrecision
@@ -45,6 +52,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
 
     Args:
         num_slots: block slots in the GPU window (>= 2). More slots copy further ahead, at the cost of memory.
+            ``"auto"``: 3, or 2 when a window of 3 would take more than a quarter of the GPU memory left.
         blocks: attribute path (from the LightningModule) of the ``nn.ModuleList`` of blocks, e.g.
             ``"model.model.layers"``; ``None`` finds it.
         update_schedule: ``"backward"`` updates each block while the backward pass continues (not compatible
@@ -80,7 +88,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         *,
-        num_slots: int = 3,
+        num_slots: int | Literal["auto"] = "auto",
         blocks: str | None = None,
         update_schedule: Literal["auto", "backward", "forward"] = "auto",
         install_loss: bool = True,
@@ -95,8 +103,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if not isinstance(num_slots, int) or num_slots < 2:
-            raise ValueError(f"num_slots must be an int >= 2; got {num_slots!r}.")
+        if num_slots != "auto" and (not isinstance(num_slots, int) or num_slots < 2):
+            raise ValueError(f"num_slots must be an int >= 2 or 'auto'; got {num_slots!r}.")
         if update_schedule not in ("auto", "backward", "forward"):
             raise ValueError(f"update_schedule must be 'auto', 'backward' or 'forward'; got {update_schedule!r}.")
         if on_nonfinite not in ("raise", "skip"):
@@ -211,7 +219,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             if restore is not None:
                 self._restores.append(restore)
 
-        def engine(nvme_path: str | None) -> SlideEngine:
+        def make_engine(nvme_path: str | None) -> SlideEngine:
             return SlideEngine(
                 module,
                 layout.blocks,
@@ -222,14 +230,14 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 optimizer=optimizer,
                 schedule=schedule,
                 retain_grads=trainer.accumulate_grad_batches > 1,
-                num_slots=self.num_slots,
+                num_slots=3 if self.num_slots == "auto" else self.num_slots,
                 on_nonfinite=self.on_nonfinite,
                 cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
                 offload_activations=self.offload_activations,
                 nvme_path=nvme_path,
             )
 
-        self.engine = engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
+        self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
         dtype = self.precision_plugin.compute_dtype
         frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
         stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
@@ -239,8 +247,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 "SlideFormer keeps the optimizer state on NVMe (%s): in RAM the run would need %.2f GiB more than"
                 " the %.2f GiB available.", self.nvme_path, plan.added / 2**30, available / 2**30,
             )  # fmt: skip
-            self.engine = engine(self.nvme_path)
+            self.engine = make_engine(self.nvme_path)
             plan = self.engine.host_plan(stored)
+        if self.num_slots == "auto":
+            self.engine.num_slots = window_slots(self.engine.device_bytes(3), device_budget(self.root_device))
         self.precision_plugin.engine = self.engine
         # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
         self.precision_plugin.device = self.root_device.type
@@ -418,8 +428,9 @@ def _explain_oom(strategy: SlideFormerStrategy) -> Generator[None, None, None]:
         engine = strategy.engine
         window = engine.device_bytes() / 2**30 if engine else float("nan")
         offload = "" if engine and engine.offloading else " SlideFormerStrategy(offload_activations=True),"
+        slots = engine.num_slots if engine else strategy.num_slots
         raise torch.OutOfMemoryError(
-            f"{err}\nSlideFormer ran out of GPU memory. Its window of {strategy.num_slots} block slots, the head and"
+            f"{err}\nSlideFormer ran out of GPU memory. Its window of {slots} block slots, the head and"
             f" staging take {window:.2f} GiB; the rest is activations. Lower the tokens per step (batch size or"
             f" sequence length, and use accumulate_grad_batches instead),{offload} or SlideFormerStrategy(num_slots=2)."
             " Much memory 'reserved but unallocated' above: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"

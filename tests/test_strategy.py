@@ -54,7 +54,7 @@ def test_unsupported_precision_is_a_clear_error(precision):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_slots": 1}, "num_slots must be an int >= 2"),
+        ({"num_slots": 1}, "num_slots must be an int >= 2 or 'auto'"),
         ({"update_schedule": "sideways"}, "update_schedule must be"),
         ({"on_nonfinite": "ignore"}, "on_nonfinite must be"),
         ({"cpu_threads": 0}, "cpu_threads must be"),
@@ -252,3 +252,18 @@ def test_out_of_memory_in_training_names_the_settings_that_help(monkeypatch):
     assert "Tried to allocate 2.00 GiB" in message
     for setting in ("offload_activations=True", "num_slots=2", "accumulate_grad_batches", "expandable_segments"):
         assert setting in message
+
+
+@pytest.mark.parametrize(("budget", "slots"), [(None, 3), (1 << 40, 3), (1 << 10, 2)])
+def test_auto_window_is_three_slots_unless_they_crowd_the_gpu(monkeypatch, budget, slots):
+    import lightning_slide.strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "device_budget", lambda device: budget)  # None: the CPU
+    seen = []
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append(trainer.strategy.engine.num_slots)
+
+    fit(StackLM(), SlideFormerStrategy(), steps=1, callbacks=[Look()])
+    assert seen == [slots]

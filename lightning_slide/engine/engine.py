@@ -198,14 +198,15 @@ class SlideEngine:
                 " subsets of them)."
             )
 
-    def device_bytes(self) -> int:
-        """Device memory the engine allocates for weights and staging (activations not included)."""
+    def device_bytes(self, num_slots: int | None = None) -> int:
+        """Device memory the engine allocates for weights and staging (activations not included), with its window
+        or one of ``num_slots``."""
 
         def nbytes(sizes: dict[torch.dtype, int]) -> int:
             return sum(n * torch.empty((), dtype=d).element_size() for d, n in sizes.items())
 
         own = sum(nbytes(u.numel) for u in [self.head, *self.leftovers] if u is not None)
-        return self.num_slots * nbytes(max_sizes(self.blocks)) + own + 2 * 4 * self._chunk_numel
+        return (num_slots or self.num_slots) * nbytes(max_sizes(self.blocks)) + own + 2 * 4 * self._chunk_numel
 
     def with_offloaded_state(self, state_dict: dict) -> dict:
         """``optimizer.state_dict()`` plus the moments that live in files, as read-only maps of those files (a

@@ -162,3 +162,9 @@ def offload_needed(saved_bytes: int, blocks: int, budget: int | None) -> bool:
     """Whether the blocks' saved inputs must leave the GPU: all of them (``saved_bytes`` each) and one block's
     working memory would not fit ``budget``."""
     return budget is not None and (blocks + WORKING_INPUTS) * saved_bytes > budget
+
+
+def window_slots(three_slots_bytes: int, budget: int | None) -> int:
+    """The window for ``num_slots="auto"``: 3 slots (one computing, the next two arriving) when a window of 3 (head
+    and staging included) takes at most a quarter of the GPU ``budget``, else 2; 3 off CUDA."""
+    return 3 if budget is None or 4 * three_slots_bytes <= budget else 2
