@@ -10,7 +10,8 @@
 
 Reports tokens/s (median step), peak GPU memory (allocated and reserved), peak host RSS of the process during
 that system's run (VmHWM, reset in between), host bytes per parameter, and for (a) a per-step timeline (CPU
-worker busy, the training thread's waits, bytes moved). Appends CSV rows to --out.
+worker busy, the training thread's waits, bytes moved; then one extra, untimed step under torch's profiler: GPU time
+in kernels and in copies each way). Appends CSV rows to --out.
 
     python benchmarks/bench_core.py --out benchmarks/results/core.csv
 """
@@ -98,11 +99,20 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
 
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
-    times, timeline = [], []
+    times, timeline, profiled = [], [], []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
     class Clock(L.Callback):
-        def on_train_batch_end(self, trainer, *args):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == warmup + steps:  # one more step, not timed: where the GPU's time goes
+                profiler.start()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             torch.cuda.synchronize()
+            if batch_idx == warmup + steps:
+                profiler.stop()
+                profiled.append(gpu_time_by_kind(profiler))
+                return
             engine = trainer.strategy.engine
             times.append(time.perf_counter())
             timeline.append(
@@ -114,12 +124,12 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
     trainer = L.Trainer(
         strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads),
         precision="bf16-mixed",
-        max_steps=warmup + steps,
+        max_steps=warmup + steps + 1,
         gradient_clip_val=1.0 if schedule == "forward" else None,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Clock()],
     )  # fmt: skip
-    data = DataLoader(batches(warmup + steps, batch, seq), batch_size=None)
+    data = DataLoader(batches(warmup + steps + 1, batch, seq), batch_size=None)
     trainer.fit(module, data)
     torch.cuda.synchronize()
     module._trainer = None  # the trainer holds the optimizer and its state: the next run starts without them
@@ -133,8 +143,23 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
         "step_s": step_times[mid], "gpu_alloc_gib": alloc, "gpu_reserved_gib": reserved, "host_peak": peak_rss(),
         "timeline": f"cpu_worker_busy={busy:.3f}s cpu_worker_waits_gpu={worker_wait:.3f}s"
                     f" train_thread_waits_update={wait_update:.3f}s train_thread_waits_send={wait_send:.3f}s"
-                    f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB",
+                    f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB; one more step profiled: {profiled[0]}",
     }  # fmt: skip
+
+
+def gpu_time_by_kind(profiler) -> str:
+    """GPU time of the profiled step by kind: kernels, host-to-device and device-to-host copies, each summed over
+    streams (they overlap, so the sum can exceed the step), and the span from the first to the last."""
+    try:
+        events = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        totals = {"kernels": 0.0, "h2d": 0.0, "d2h": 0.0}
+        for e in events:
+            kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "kernels"
+            totals[kind] += e.time_range.elapsed_us() / 1e6
+        span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e6
+        return " ".join(f"gpu_{k}={v:.3f}s" for k, v in totals.items()) + f" gpu_span={span:.3f}s"
+    except Exception as err:  # the figures above stand without it
+        return f"profile failed: {type(err).__name__}: {err}"
 
 
 class BenchLM:
