@@ -141,9 +141,12 @@ def test_cpu_run_on_a_cuda_machine_autocasts_on_the_cpu():
 
 
 def test_window_that_does_not_fit_names_the_setting(monkeypatch):
+    torch.cuda.empty_cache()  # cached blocks count as free to the window check
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 30))  # 1 MiB free
     with pytest.raises(torch.OutOfMemoryError, match=r"num_slots=\.\.\.\) \(minimum 2\)"):
-        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=3), accelerator="gpu", steps=1)
+    with pytest.raises(torch.OutOfMemoryError, match=r"window of 2 block slots.*Free GPU memory"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)  # "auto": 2
 
 
 def test_pinning_failure_is_a_clear_error(monkeypatch):

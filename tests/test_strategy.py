@@ -267,3 +267,12 @@ def test_auto_window_is_three_slots_unless_they_crowd_the_gpu(monkeypatch, budge
 
     fit(StackLM(), SlideFormerStrategy(), steps=1, callbacks=[Look()])
     assert seen == [slots]
+
+
+@pytest.mark.parametrize(("slots", "advice"), [(3, r"Lower SlideFormerStrategy\(num_slots=...\)"), (2, "Free GPU")])
+def test_a_window_beyond_the_gpu_budget_is_refused_naming_what_helps(monkeypatch, slots, advice):
+    import lightning_slide.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1024)  # what a full GPU would report
+    with pytest.raises(torch.OutOfMemoryError, match=rf"window of {slots} block slots.*{advice}"):
+        fit(StackLM(), SlideFormerStrategy(num_slots=slots), steps=1)

@@ -265,15 +265,15 @@ class SlideEngine:
 
     def setup(self) -> None:
         """Pin the masters, allocate the window, and route the modules' forwards through the engine."""
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            need = self.device_bytes()
-            if need > free:
-                raise torch.OutOfMemoryError(
-                    f"SlideFormer needs {need / 2**30:.2f} GiB on {self.device} for its window of {self.num_slots}"
-                    f" block slots, the head and staging, but only {free / 2**30:.2f} GiB is free. Lower"
-                    " SlideFormerStrategy(num_slots=...) (minimum 2) or free GPU memory."
-                )
+        budget = device_budget(self.device)  # within the process's memory fraction
+        need = self.device_bytes()
+        if budget is not None and need > budget:
+            fix = "Lower SlideFormerStrategy(num_slots=...) (minimum 2) or free" if self.num_slots > 2 else "Free"
+            raise torch.OutOfMemoryError(
+                f"SlideFormer needs {need / 2**30:.2f} GiB on {self.device} for its window of {self.num_slots}"
+                f" block slots, the head and staging, but only {budget / 2**30:.2f} GiB is free. {fix} GPU memory"
+                " (other processes, or a lower torch.cuda.set_per_process_memory_fraction cap)."
+            )
         landing = self._landing_buffers if self.optimizer is not None else 0
         self.transfer = Transfer(self.device, chunk_numel=self._chunk_numel, landing_buffers=landing)
         self.worker = CpuWorker(num_threads=self._cpu_threads)
