@@ -168,6 +168,7 @@ def test_auto_activation_offload_follows_the_gpu_budget(monkeypatch, caplog, bud
     import lightning_slide.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "device_budget", lambda device: budget)
+    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
     pooled = []
 
     class Look(L.Callback):

@@ -134,10 +134,9 @@ class SlideEngine:
             )
         self.nvme_path = nvme_path if self.optimizer is not None else None
         self._check_optimizer_params()
-        # A small model gets landing buffers no larger than its gradients: never more than one step's worth.
+        self._chunk_numel = max(chunk_numel, *(_row_numel(p) for u in self.units for p in u.params))
+        # no more landing buffers than one step's gradients fill (a small model would pin GiBs for nothing)
         grad_numel = sum(p.numel() for u in self.units for p in u.params if p.requires_grad)
-        widest_row = max(_row_numel(p) for u in self.units for p in u.params)
-        self._chunk_numel = max(min(chunk_numel, grad_numel), widest_row)
         self._landing_buffers = min(landing_buffers, -(-grad_numel // self._chunk_numel) + 1)
         self._max_queued_grad_bytes = max_queued_grad_bytes
         self._cpu_threads = cpu_threads
