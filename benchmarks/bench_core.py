@@ -79,6 +79,12 @@ def start_measure() -> None:
     reset_peak_rss()
 
 
+def cap_gpu(cap_gib: float) -> None:
+    """Limit this process's GPU memory to ``cap_gib`` (``torch.cuda.set_per_process_memory_fraction``)."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+
+
 def gpu_peaks() -> tuple[float, float]:
     return torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB
 
@@ -97,8 +103,7 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
 
     import lightning_slide
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+    cap_gpu(cap_gib)
     times, timeline, profiled = [], [], []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 

@@ -25,11 +25,11 @@ import os
 
 # NOTE: before torch touches CUDA. Without it, the 64k run's 24 GiB cap lost 7.5 GiB to cached, fragmented blocks.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-import subprocess
 import time
 
 import torch
-from bench_core import GIB, peak_rss, reset_peak_rss
+from bench_core import GIB, cap_gpu, peak_rss, reset_peak_rss
+from bench_nvme_io import dd
 
 from results_csv import append_row, environment
 
@@ -56,8 +56,7 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
     import lightning as L
     from torch.utils.data import DataLoader
 
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+    cap_gpu(cap_gib)
     marks, offloaded = [], []
 
     class Clock(L.Callback):
@@ -96,12 +95,11 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
 def dd_bandwidth(directory: str, gib: int = 4) -> str:
     """dd's O_DIRECT write then read of a ``gib`` GiB file in ``directory`` (the disk's reference figure)."""
     path = os.path.join(directory, "dd.bin")
-    figures = []
-    for args in ([f"of={path}", "if=/dev/zero", "oflag=direct"], [f"if={path}", "of=/dev/null", "iflag=direct"]):
-        run = subprocess.run(["dd", "bs=8M", f"count={gib * 128}", *args], capture_output=True, text=True)
-        figures.append(run.stderr.strip().splitlines()[-1])
-    os.remove(path)
-    return f"dd write: {figures[0]} | dd read: {figures[1]}"
+    try:
+        written, read = dd(path, regions=gib * 128, size=8 << 20)
+    finally:
+        os.remove(path)
+    return f"dd direct, 8 MiB blocks: write {written:.2f} GB/s, read {read:.2f} GB/s"
 
 
 def main() -> None:

@@ -29,14 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from lightning_slide.engine.transfer import aligned_empty
 from results_csv import append_row
 
 ALIGN = 4096
 
 
 def aligned_buffer(nbytes: int):
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    return raw[(-raw.data_ptr()) % ALIGN :][:nbytes].fill_(7).numpy()
+    return aligned_empty(nbytes, ALIGN).fill_(7).numpy()  # the tier's own page-aligned buffers
 
 
 def drop_cache(path: str) -> None:

@@ -46,10 +46,11 @@ def default_loggers(root: str) -> list:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``slide`` and ``python -m lightning_slide``."""
-    if (sys.argv[1:] if args is None else args)[:1] == ["export"]:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["export"]:
         from .export import export
 
-        export((sys.argv[1:] if args is None else args)[1:])
+        export(argv[1:])
         return
     SlideCLI(
         CausalLMModule,

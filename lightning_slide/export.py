@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
 
 def export(args: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="slide export", description=__doc__.split("\n\n")[0])
@@ -29,6 +27,7 @@ def export(args: list[str]) -> None:
     import yaml
     from lightning.pytorch.cli import LightningCLI
 
+    from .checkpoint_io import SlideCheckpointIO
     from .data import TextDataModule
     from .module import CausalLMModule
 
@@ -40,7 +39,7 @@ def export(args: list[str]) -> None:
     module, data = cli.model, cli.datamodule
     module.configure_model()
     # no arbitrary unpickling; mapped, not read: the optimizer state in it is never loaded
-    checkpoint = torch.load(opts.ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = SlideCheckpointIO().load_checkpoint(opts.ckpt_path)
     module.load_state_dict(checkpoint["state_dict"])
     model = module.model
     if module.lora is not None and opts.merge_lora:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .transfer import aligned_empty
+
 ALIGN = 4096
 READ_AHEAD_BYTES = 1 << 30  # state read ahead and not yet used, at most
 
@@ -43,12 +45,6 @@ class _Region:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
-
-
-def _aligned_empty(nbytes: int) -> Tensor:
-    # page-aligned (O_DIRECT needs it; torch's CPU allocations are only 64-byte aligned)
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    return raw[(-raw.data_ptr()) % ALIGN :][:nbytes]
 
 
 class NvmeStateStore:
@@ -107,7 +103,7 @@ class NvmeStateStore:
             fd = None
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o600)
-                os.pwritev(fd, [_aligned_empty(ALIGN).zero_().numpy()], 0)  # some file systems refuse only here
+                os.pwritev(fd, [aligned_empty(ALIGN, ALIGN).zero_().numpy()], 0)  # some file systems refuse only here
                 return fd
             except OSError:  # e.g. tmpfs: no direct I/O; buffered from here on
                 self.direct = False
@@ -175,7 +171,7 @@ class NvmeStateStore:
         try:
             for key, buffer in buffers.items():
                 self._write(self.regions[param][key], buffer)
-                self._free.setdefault(buffer.numel(), []).append(buffer)
+                self._give(buffer)
         except BaseException as err:
             self._error = err
 
@@ -198,7 +194,10 @@ class NvmeStateStore:
 
     def _take(self, nbytes: int) -> Tensor:
         free = self._free.get(nbytes)
-        return free.pop() if free else _aligned_empty(nbytes)
+        return free.pop() if free else aligned_empty(nbytes, ALIGN)
+
+    def _give(self, buffer: Tensor) -> None:
+        self._free.setdefault(buffer.numel(), []).append(buffer)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
@@ -229,7 +228,7 @@ class NvmeStateStore:
             buffer = self._take(_aligned(region.nbytes))
             _as_state(buffer, param).copy_(value)
             self._write(region, buffer)
-            self._free.setdefault(buffer.numel(), []).append(buffer)
+            self._give(buffer)
 
         self._io.submit(write).result()
 

@@ -27,6 +27,13 @@ class PinnedMemoryError(RuntimeError):
 _REGISTER_MIN_BYTES = 1 << 20  # smaller buffers come from torch's pinned allocator (its rounding is negligible)
 
 
+def aligned_empty(nbytes: int, align: int) -> Tensor:
+    """``nbytes`` of uninitialized host memory (uint8) starting at an ``align``-byte boundary (torch's CPU
+    allocations are only 64-byte aligned; O_DIRECT and page registration need more)."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    return raw[(-raw.data_ptr()) % align :][:nbytes]
+
+
 def _cuda_register(ptr: int, nbytes: int) -> int:
     return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
 
@@ -78,10 +85,8 @@ class Transfer:
     def _register(self, nbytes: int) -> Tensor:
         # Whole pages of a private allocation are registered, so no page is shared with another buffer (a page
         # registered twice is an error).
-        page = mmap.PAGESIZE
-        raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
-        size = -(-nbytes // page) * page
-        pages = raw[(-raw.data_ptr()) % page :][:size]
+        size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        pages = aligned_empty(size, mmap.PAGESIZE)
         code = _cuda_register(pages.data_ptr(), size)
         if code != 0:
             raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
