@@ -21,7 +21,11 @@ Appends CSV rows to --out.
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
 import os
+import traceback
+from collections import Counter
 
 # NOTE: before torch touches CUDA. Without it, the 64k run's 24 GiB cap lost 7.5 GiB to cached, fragmented blocks.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -81,7 +85,6 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
     steps_ = [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(marks[warmup - 1 :], marks[warmup:])]
     step_s, read, written = sorted(steps_)[len(steps_) // 2]
     torch.cuda.set_per_process_memory_fraction(1.0)
-    module._trainer = None  # the trainer holds the optimizer and its state: let the next run start without them
     return {
         "activations_offloaded": offloaded[0], "step_s": step_s, "tok_s": batch * seq / step_s,
         "first_step_s": marks[0][0] - start,
@@ -90,6 +93,23 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
         "disk_read_gb_per_step": read / 1e9, "disk_write_gb_per_step": written / 1e9,
         "disk_gb_s": (read + written) / 1e9 / step_s,
     }  # fmt: skip
+
+
+def print_live_allocations(top: int = 12) -> None:
+    """After a CUDA OOM: the live allocations grouped by the innermost line of our code (or transformers') that
+    made them (recorded when --memory-history is on)."""
+    by_origin: Counter[str] = Counter()
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = [f for f in block.get("frames", []) if "lightning_slide" in f["filename"] or
+                      "transformers" in f["filename"] or "kernels" in f["filename"]]  # fmt: skip
+            where = f"{frames[0]['filename'].split('/')[-1]}:{frames[0]['line']} {frames[0]['name']}" if frames else "?"
+            by_origin[where] += block["size"]
+    print("live GPU allocations at the OOM, by origin:")
+    for where, size in by_origin.most_common(top):
+        print(f"  {size / GIB:7.2f} GiB  {where}")
 
 
 def dd_bandwidth(directory: str, gib: int = 4) -> str:
@@ -111,7 +131,12 @@ def main() -> None:
     parser.add_argument("--long-seq", type=int, default=65536, help="8b: the activation-offload sequence")
     parser.add_argument("--nvme-path", default="slide-nvme")
     parser.add_argument("--out", default="benchmarks/results/memory.csv")
+    parser.add_argument("--memory-history", action="store_true", help="record allocation stacks (for OOM reports)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("lightning_slide").setLevel(logging.INFO)  # the plan and the automatic choices
+    if args.memory_history:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1)
 
     import lightning
     import transformers
@@ -124,14 +149,20 @@ def main() -> None:
         try:
             result = train(module, strategy, batch, seq, args.steps, args.warmup, args.gpu_cap_gib)
         except Exception as err:  # keep what was measured; say what failed
+            traceback.print_exc()
+            if isinstance(err, torch.OutOfMemoryError):
+                print_live_allocations()
             torch.cuda.set_per_process_memory_fraction(1.0)
             result = {"step_s": float("nan"), "note": f"FAILED: {type(err).__name__}: {str(err)[:300]}"}
+        finally:
+            module._trainer = None  # it holds the optimizer and its state: the next run starts without them
+            gc.collect()  # the trainer's reference cycles
         params = sum(p.numel() for p in module.parameters())
         row = {**common, "case": name, "params": params, "batch": batch, "seq": seq, "note": note, **result}
         if "host_peak_gib" in row:
             row["host_b_per_param"] = row["host_peak_gib"] * GIB / params
             if "full" in name:
-                row["host_target_b_per_param"] = (13 if "nvme" not in name else 5) + 2 * GIB / params
+                row["host_target_b_per_param"] = (5 if "nvme" in name.lower() else 13) + 2 * GIB / params
         append_row(args.out, row)
 
     if args.case == "8b":
@@ -147,8 +178,8 @@ def main() -> None:
         os.makedirs(args.nvme_path, exist_ok=True)
         reference = dd_bandwidth(args.nvme_path)
         module = CausalLMModule(config=LLAMA_3B, lr=1e-5)
-        strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=args.nvme_path, offload_activations=True)
-        record("llama3.2-3b full, Adam state on NVMe, activation offload", 8, 4096, module, strategy, note=reference)
+        strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=args.nvme_path)  # activations: "auto"
+        record("llama3.2-3b full, Adam state on NVMe", 8, 4096, module, strategy, note=reference)
 
 
 if __name__ == "__main__":

@@ -184,3 +184,30 @@ def test_read_ahead_is_bounded_and_reads_see_earlier_writes(tmp_path):
     assert store.load(a)["exp_avg"].eq(1.0).all()  # the read-ahead came after the write
     store.save(a)
     store.close()
+
+
+def test_a_region_moves_in_checksummed_chunks(tmp_path, monkeypatch):
+    # large regions are split into chunks read and written by several threads; each chunk carries its own CRC
+    from torch import nn
+
+    from lightning_slide.engine import nvme
+
+    monkeypatch.setattr(nvme, "CHUNK_BYTES", 4096)
+    p = nn.Parameter(torch.zeros(5000))  # 20 000 bytes of state per key: 5 chunks, the last one partly padding
+    store = nvme.NvmeStateStore(str(tmp_path), [("block", [p])], ("exp_avg",), io_threads=3)
+    values = torch.randn(5000)
+    store.load(p)["exp_avg"].copy_(values)
+    store.save(p)
+    store.flush()
+    assert len(store.regions[p]["exp_avg"].crcs) == 5
+    assert torch.equal(store.load(p)["exp_avg"], values)
+    store.save(p)
+    store.flush()
+    with open(store.paths[0], "r+b") as f:  # flip a byte in the fourth chunk
+        f.seek(3 * 4096 + 7)
+        byte = f.read(1)
+        f.seek(3 * 4096 + 7)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(nvme.NvmeStateError, match="checksum mismatch"):
+        store.load(p)
+    store.close()

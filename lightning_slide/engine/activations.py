@@ -66,6 +66,7 @@ class ActivationStash:
                 continue
             self.transfer.wait(e.fetched)
             out.append(e.back)
+            e.back = None  # the autograd node keeps `entries` to the end of backward; it must not keep this alive
             self._free.setdefault(e.raw.numel(), []).append((e.raw, e.fetched))
         return out
 

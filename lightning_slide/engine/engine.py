@@ -32,7 +32,8 @@ from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
 from .nvme import NvmeStateStore
 from .optim import CpuOptimizer
-from .planner import WORKING_INPUTS, HostPlan, device_budget, offload_needed, plan_host
+from .planner import WORKING_INPUTS, HostPlan, blocks_to_offload, device_budget, plan_host, tiling_needed
+from .tiling import TILES, TiledMLP, gated_mlp
 from .transfer import Transfer
 from .units import DeviceBuffer, Unit, max_sizes
 from .worker import CpuWorker
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 Schedule = Literal["backward", "forward"]
 # KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+_NVME_LANDING_BUFFERS = 16
 
 
 @dataclass
@@ -135,15 +137,19 @@ class SlideEngine:
         self.nvme_path = nvme_path if self.optimizer is not None else None
         self._check_optimizer_params()
         self._chunk_numel = max(chunk_numel, *(_row_numel(p) for u in self.units for p in u.params))
-        # no more landing buffers than one step's gradients fill (a small model would pin GiBs for nothing)
+        # no more landing buffers than one step's gradients fill (a small model would pin GiBs for nothing); with
+        # the state on disk, the disk sets the pace and gradients waiting for it would only take RAM
         grad_numel = sum(p.numel() for u in self.units for p in u.params if p.requires_grad)
-        self._landing_buffers = min(landing_buffers, -(-grad_numel // self._chunk_numel) + 1)
+        most = min(landing_buffers, _NVME_LANDING_BUFFERS) if nvme_path is not None else landing_buffers
+        self._landing_buffers = min(most, -(-grad_numel // self._chunk_numel) + 1)
         self._max_queued_grad_bytes = max_queued_grad_bytes
         self._cpu_threads = cpu_threads
         self._retain = retain_grads or schedule == "forward"
         self._offload_activations = offload_activations
         self.activations: ActivationStash | None = None
-        self.offloading: bool | None = False  # whether block inputs go to the host; None: "auto", undecided
+        self.offloading: int | None = 0  # the first blocks whose inputs go to the host; None: "auto", undecided
+        self.tiling: bool | None = None  # whether the blocks' MLPs run on slices of the tokens; None: undecided
+        self._tiled: list[TiledMLP] = []
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self._plan: StepPlan | None = None
         self._order: dict[Unit, None] = {}  # units in the order of the first training forward
@@ -289,7 +295,7 @@ class SlideEngine:
             self.optimizer.store = NvmeStateStore(self.nvme_path, self._state_units(), self._state_keys())
         if self._offload_activations:
             self.activations = ActivationStash(self.transfer)
-            self.offloading = None if self._offload_activations == "auto" else True
+            self.offloading = None if self._offload_activations == "auto" else len(self.blocks)
         move_except_parameters(self.model, self.device)
         self._pin_masters()
         ring_sizes = max_sizes(self.blocks)
@@ -321,6 +327,8 @@ class SlideEngine:
         for unit in self.blocks:
             unit.module.gradient_checkpointing = False  # the engine owns recompute
             unit.module.forward = partial(self._block_forward, unit)
+            if self.activations is not None and (mlp := gated_mlp(unit.module)) is not None:
+                self._tiled.append(TiledMLP(mlp))
         if self.embedding is not None:
             self.embedding.module.forward = partial(self._embedding_forward, self.embedding)
         for unit in [self.head, *self.leftovers]:
@@ -337,6 +345,9 @@ class SlideEngine:
         finally:
             for unit in self.units:
                 unit.module.__dict__.pop("forward", None)
+            for tiled in self._tiled:
+                tiled.restore()
+            self._tiled = []
             if self.optimizer is not None:
                 self.router.close()
             self.worker.shutdown()
@@ -493,22 +504,37 @@ class SlideEngine:
         return unit in self._block_index
 
     def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool:
-        """Whether ``unit`` keeps its saved ``inputs`` in host memory (with ``"auto"``, decided at the first
-        block that saves any, from their size and the GPU memory left)."""
+        """Whether ``unit`` keeps its saved ``inputs`` in host memory: the first ``offloading`` blocks do (their
+        inputs wait longest for their backward). Called before the block runs; the first call decides."""
         if self.activations is None or not self.is_block(unit):
             return False
+        if self.tiling is None:
+            self._plan_activations(inputs)
+        return self._block_index[unit] < self.offloading
+
+    def _plan_activations(self, inputs: tuple[Tensor, ...]) -> None:
+        # From the size of a block's saved inputs and the GPU memory left: with "auto", how many blocks offload
+        # (as few as make the rest fit); whether the MLPs must run tiled (one block at work would not fit).
+        saved = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
+        budget = device_budget(self.device)
+        blocks, reserved = len(self.blocks), self._max_queued_grad_bytes
         if self.offloading is None:
-            saved = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
-            budget = device_budget(self.device)
-            self.offloading = offload_needed(saved, len(self.blocks), budget)
+            self.offloading = blocks_to_offload(saved, blocks, budget, reserved)
             if self.offloading:
                 log.info(
-                    "SlideFormer offloads activations: the saved inputs of %d blocks (%.2f GiB) and one block's"
-                    " working memory (~%.2f GiB) exceed the %.2f GiB left on the GPU.",
-                    len(self.blocks), saved * len(self.blocks) / 2**30, saved * WORKING_INPUTS / 2**30,
-                    budget / 2**30,
+                    "SlideFormer offloads the activations of %d of %d blocks (%.2f GiB to host memory): all %d blocks'"
+                    " saved inputs (%.2f GiB) and one block at work (~%.2f GiB) exceed the %.2f GiB left on the GPU.",
+                    self.offloading, blocks, saved * self.offloading / 2**30, blocks, saved * blocks / 2**30,
+                    saved * WORKING_INPUTS / 2**30, budget / 2**30,
                 )  # fmt: skip
-        return self.offloading
+        self.tiling = bool(self._tiled) and tiling_needed(saved, budget, reserved)
+        for tiled in self._tiled:
+            tiled.active = self.tiling
+        if self.tiling:
+            log.info(
+                "SlideFormer runs the blocks' MLPs on %d slices of the tokens: one block at work (~%.2f GiB) would not"
+                " fit the %.2f GiB left on the GPU.", TILES, saved * WORKING_INPUTS / 2**30, budget / 2**30,
+            )  # fmt: skip
 
     def begin_step(self, step: int) -> None:
         """``optimizer_step`` was called: the hyperparameters in force now are the ones applied."""

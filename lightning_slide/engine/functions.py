@@ -84,6 +84,7 @@ class _UnitFunction(Function):
     @staticmethod
     def forward(ctx, call: _Call, dummy: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
         engine, unit = call.engine, call.unit
+        offload = engine.offloads(unit, tensors)  # decided before the first block runs (it may tile the MLPs)
         out = call.run(tensors, engine.acquire(unit))
         engine.release(unit, forward=True)
         flat_out, call.out_spec = tree_flatten(out)
@@ -92,7 +93,7 @@ class _UnitFunction(Function):
         outs = tuple(flat_out[i] for i in call.out_positions)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         ctx.call = call
-        if engine.offloads(unit, tensors):
+        if offload:
             ctx.offloaded = engine.activations.save(tensors)  # kept in host memory until the backward
         else:
             ctx.save_for_backward(*tensors)

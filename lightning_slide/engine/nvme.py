@@ -1,12 +1,14 @@
 """The NVMe tier: the optimizer's moment tensors live in files, one per unit (a block, the head, ...), instead of
 in RAM. A parameter's state is read into pooled, page-aligned buffers ahead of its update (as soon as its
-gradients are on their way, up to ``max_ahead_bytes`` of state in RAM) and written behind it, by one I/O thread
-that does all file I/O in submission order, so a read always sees the write submitted before it.
+gradients are on their way, up to ``max_ahead_bytes`` of state in RAM) and written behind it. One ordering thread
+takes the reads and writes in submission order, so a read always sees the write submitted before it; each of them
+splits its regions into chunks that a few threads move and checksum at once (a single thread reaching the disk
+one request at a time, checksumming in between, got 1.1 GB/s of the 2.5-3 GB/s dd gets on the H200 machine).
 
 Files sit in a private directory (0700) made under ``nvme_path``, are private (0600), opened with ``O_DIRECT``
-where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per region that is
-checked on every read, and are removed when training ends. A region never written reads as zeros (Adam's initial
-state) without touching the disk.
+where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per chunk of a region
+that is checked on every read, and are removed when training ends. A region never written reads as zeros (Adam's
+initial state) without touching the disk.
 
 Checkpoints: :meth:`NvmeStateStore.mapped` gives the state as read-only memory maps of the files, which a streaming
 ``torch.save`` copies page by page (never the whole state in RAM); :meth:`write` puts loaded state back.
@@ -28,7 +30,8 @@ from torch import Tensor, nn
 from .transfer import aligned_empty
 
 ALIGN = 4096
-READ_AHEAD_BYTES = 1 << 30  # state read ahead and not yet used, at most
+READ_AHEAD_BYTES = 512 << 20  # state read ahead and not yet used, at most
+CHUNK_BYTES = 16 << 20  # one read or write request, and one checksum (a multiple of ALIGN)
 
 
 class NvmeStateError(RuntimeError):
@@ -40,7 +43,12 @@ class _Region:
     file: int  # index into the store's files
     offset: int
     nbytes: int
-    crc: int | None = None  # None: never written (zeros)
+    crcs: list[int] | None = None  # one per chunk; None: never written (zeros)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """(start, end) of each chunk, relative to the region; the last one ends at the region's aligned size."""
+        size = _aligned(self.nbytes)
+        return [(start, min(start + CHUNK_BYTES, size)) for start in range(0, size, CHUNK_BYTES)]
 
 
 def _aligned(nbytes: int) -> int:
@@ -55,6 +63,7 @@ class NvmeStateStore:
         units: (name, parameters) per file.
         keys: the state tensors per parameter, e.g. ``("exp_avg", "exp_avg_sq")``.
         max_ahead_bytes: state read ahead and not yet used may hold at most this much RAM.
+        io_threads: chunks moved (and checksummed) at once.
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class NvmeStateStore:
         units: list[tuple[str, list[nn.Parameter]]],
         keys: tuple[str, ...],
         max_ahead_bytes: int = READ_AHEAD_BYTES,
+        io_threads: int = 4,
     ) -> None:
         self.keys = keys
         self.max_ahead_bytes = max_ahead_bytes
@@ -76,6 +86,7 @@ class NvmeStateStore:
         self._maps: dict[int, Tensor] = {}  # file -> its read-only map, while a checkpoint is written
         self._names: dict[nn.Parameter, str] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-nvme")  # all file I/O, in order
+        self._chunk_pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="slide-nvme-chunk")
         self._ahead: dict[nn.Parameter, Future] = {}
         self._ahead_bytes = 0
         self._lock = threading.Lock()
@@ -160,7 +171,7 @@ class NvmeStateStore:
         buffers = {}
         for key, region in self.regions[param].items():
             buffer = self._take(_aligned(region.nbytes))
-            if region.crc is None:
+            if region.crcs is None:
                 buffer.zero_()
             else:
                 self._read(region, buffer, f"{key} of {self._names[param]}")
@@ -177,20 +188,36 @@ class NvmeStateStore:
 
     def _write(self, region: _Region, buffer: Tensor) -> None:
         self._maps.pop(region.file, None)  # a map taken for a checkpoint is stale now
-        region.crc = zlib.crc32(buffer[: region.nbytes].numpy())
-        written = os.pwritev(self._fds[region.file], [buffer.numpy()], region.offset)
-        if written != buffer.numel():
-            raise NvmeStateError(f"Short write to {self.paths[region.file]} ({written} of {buffer.numel()} bytes).")
+        fd = self._fds[region.file]
+
+        def write(chunk: tuple[int, int]) -> int:
+            start, end = chunk
+            written = os.pwritev(fd, [buffer[start:end].numpy()], region.offset + start)
+            if written != end - start:
+                raise NvmeStateError(f"Short write to {self.paths[region.file]} ({written} of {end - start} bytes).")
+            return zlib.crc32(buffer[start : min(end, region.nbytes)].numpy())
+
+        region.crcs = None  # until every chunk is on disk
+        region.crcs = list(self._chunk_pool.map(write, region.chunks()))
 
     def _read(self, region: _Region, buffer: Tensor, what: str) -> None:
-        path = self.paths[region.file]
-        got = os.preadv(self._fds[region.file], [buffer.numpy()], region.offset)
-        if got != buffer.numel() or zlib.crc32(buffer[: region.nbytes].numpy()) != region.crc:
-            problem = "truncated" if got != buffer.numel() else "corrupt (checksum mismatch)"
-            raise NvmeStateError(
-                f"Optimizer state in {path} ({what}, bytes {region.offset}..{region.offset + region.nbytes}) is"
-                f" {problem}. Training stops here; resume from the last checkpoint."
-            )
+        fd = self._fds[region.file]
+
+        def read(chunk: tuple[int, int]) -> tuple[bool, int]:
+            start, end = chunk
+            complete = os.preadv(fd, [buffer[start:end].numpy()], region.offset + start) == end - start
+            return complete, zlib.crc32(buffer[start : min(end, region.nbytes)].numpy())
+
+        results = list(self._chunk_pool.map(read, region.chunks()))
+        complete = all(done for done, _ in results)
+        if complete and [crc for _, crc in results] == region.crcs:
+            return
+        end = region.offset + region.nbytes
+        raise NvmeStateError(
+            f"Optimizer state in {self.paths[region.file]} ({what}, bytes {region.offset}..{end}) is"
+            f" {'corrupt (checksum mismatch)' if complete else 'truncated'}. Training stops here; resume from the"
+            " last checkpoint."
+        )
 
     def _take(self, nbytes: int) -> Tensor:
         free = self._free.get(nbytes)
@@ -206,7 +233,7 @@ class NvmeStateStore:
         map, so a streaming ``torch.save`` writes each file once, page by page. Call :meth:`flush` first."""
         out = {}
         for key, region in self.regions[param].items():
-            if region.crc is None:
+            if region.crcs is None:
                 out[key] = torch.zeros(param.shape)
                 continue
             if region.file not in self._maps:
@@ -215,7 +242,7 @@ class NvmeStateStore:
                 size = os.path.getsize(path)
                 self._maps[region.file] = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
             raw = self._maps[region.file][region.offset : region.offset + region.nbytes]
-            if zlib.crc32(raw.numpy()) != region.crc:
+            if [zlib.crc32(raw[start:end].numpy()) for start, end in region.chunks()] != region.crcs:
                 raise NvmeStateError(f"Optimizer state in {self.paths[region.file]} ({key}) is corrupt.")
             out[key] = raw.view(torch.float32).view(param.shape)
         return out
@@ -235,6 +262,7 @@ class NvmeStateStore:
     def close(self) -> None:
         """Finish pending I/O, close and remove the files."""
         self._io.shutdown(wait=True)
+        self._chunk_pool.shutdown(wait=True)
         self._maps.clear()
         while self._fds:
             os.close(self._fds.pop())

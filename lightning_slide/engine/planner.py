@@ -140,11 +140,13 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
         )
 
 
-# One block's recompute and backward, in units of its saved input (tokens x hidden, fp32 residual stream): the MLP's
-# bf16 intermediates (~3.5x the hidden width each), attention's q/k/v/o, the norms, and their gradients. From the
-# H200 run of Llama 4096/14336 blocks at 32k tokens: 17.1 GiB peak = 4 GiB of 8 saved inputs + ~8.5 GiB working
-# + the window.
-WORKING_INPUTS = 16
+# One block at work in backward, in units of its saved input (tokens x hidden, fp32 residual stream): its recompute
+# and backward (the MLP's bf16 intermediates, ~3.5x the hidden width each, attention's q/k/v/o, the norms, their
+# gradients), its input and the next one's fetched ahead, and the gradient flowing in. From the H200 run of the
+# Llama-3.1-8B shape at 32k tokens with every input offloaded: 13.9 GiB peak = ~9.5 GiB of these (19 inputs of
+# 0.5 GiB) + the window, the head and the gradients queued to leave.
+WORKING_INPUTS = 19
+_DEVICE_MARGIN = 0.95  # of the budget: the allocator's rounding and fragmentation
 
 
 def device_budget(device: torch.device) -> int | None:
@@ -158,10 +160,19 @@ def device_budget(device: torch.device) -> int | None:
     return min(free + torch.cuda.memory_reserved(device) - allocated, cap - allocated)
 
 
-def offload_needed(saved_bytes: int, blocks: int, budget: int | None) -> bool:
-    """Whether the blocks' saved inputs must leave the GPU: all of them (``saved_bytes`` each) and one block's
-    working memory would not fit ``budget``."""
-    return budget is not None and (blocks + WORKING_INPUTS) * saved_bytes > budget
+def blocks_to_offload(saved_bytes: int, blocks: int, budget: int | None, reserved_bytes: int) -> int:
+    """How many blocks must keep their saved inputs (``saved_bytes`` each) in host memory so that the others',
+    one block at work and ``reserved_bytes`` (gradients queued to leave) fit ``budget``; 0 off CUDA."""
+    if budget is None or saved_bytes == 0:
+        return 0
+    room = int(budget * _DEVICE_MARGIN) - reserved_bytes - WORKING_INPUTS * saved_bytes
+    return blocks - min(blocks, max(0, room // saved_bytes))
+
+
+def tiling_needed(saved_bytes: int, budget: int | None, reserved_bytes: int) -> bool:
+    """Whether one block at work does not fit ``budget`` even with every saved input offloaded (its MLP must then
+    run on slices of the tokens, ``tiling.py``)."""
+    return budget is not None and WORKING_INPUTS * saved_bytes + reserved_bytes > budget * _DEVICE_MARGIN
 
 
 def window_slots(three_slots_bytes: int, budget: int | None) -> int:
