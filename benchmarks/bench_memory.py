@@ -4,16 +4,16 @@ bf16-mixed, the GPU capped at --gpu-cap-gib.
 
 Cases (one per process, so each host peak is its own):
   8b         Llama-3.1-8B shape, full fine-tune, optimizer state in RAM, 32k tokens/step (8 x 4096; activation
-             offload left on "auto": the 32 blocks' inputs, 16 GiB, do not fit the cap beside the work); then, in the
-             same process, one 64k-token sequence with activation offload (its host peak includes the first run's)
+             offload left on "auto": the 32 blocks' inputs, 16 GiB, do not fit the cap beside the work)
+  8b-64k     the same model on one 64k-token sequence with activation offload (and, as the engine decides, tiled MLPs)
   3b-nvme    Llama-3.2-3B shape, full fine-tune, Adam state on NVMe under --nvme-path, 32k tokens/step; dd's
              O_DIRECT write and read bandwidth on the same disk, measured in the same run
   32b-lora   Qwen2.5-32B shape, LoRA r=16 on the attention projections, the base built in bf16 (~62 GiB in RAM),
              8k tokens/step
 
-Reports tokens/s (median step), peak GPU memory (allocated, reserved), peak host RSS (VmHWM) and bytes per
-parameter, and for NVMe the disk bytes the process read and wrote per step (/proc/self/io) over the step time.
-Appends CSV rows to --out.
+Weights are random (``fast_random_init``). Reports tokens/s (median step), peak GPU memory (allocated, reserved),
+peak host RSS (VmHWM) and bytes per parameter, and for NVMe the disk bytes the process read and wrote per step
+(/proc/self/io) over the step time. Appends CSV rows to --out.
 
     python benchmarks/bench_memory.py --case 8b --out benchmarks/results/memory.csv
 """
@@ -26,6 +26,7 @@ import logging
 import os
 import traceback
 from collections import Counter
+from contextlib import contextmanager
 
 # NOTE: before torch touches CUDA. Without it, the 64k run's 24 GiB cap lost 7.5 GiB to cached, fragmented blocks.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -95,6 +96,39 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
     }  # fmt: skip
 
 
+@contextmanager
+def fast_random_init(tile_numel: int = 1 << 24):
+    """Random weights without drawing billions of numbers one by one (torch's CPU ``normal_`` and ``uniform_`` run
+    nearly serially: the 32B build took over 200 s on the H200 machine's 16 cores). Inside, ``normal_`` and
+    ``uniform_`` (``nn.Linear``'s own init, then Hugging Face's) fill a CPU tensor with copies of one random tile,
+    scaled and shifted: values of the right distribution, not independent ones, which a speed and memory benchmark
+    does not need."""
+    g = torch.Generator().manual_seed(0)
+    tiles = {"normal_": torch.randn(tile_numel, generator=g), "uniform_": torch.rand(tile_numel, generator=g)}
+    originals = {name: getattr(torch.Tensor, name) for name in tiles}
+
+    def filler(name: str, scale_shift):
+        def fill(self, a=0.0, b=1.0, *, generator=None):
+            if self.device.type != "cpu" or not self.is_contiguous():
+                return originals[name](self, a, b, generator=generator)
+            flat = self.view(-1)
+            for start in range(0, flat.numel(), tile_numel):
+                piece = flat[start : start + tile_numel]
+                piece.copy_(tiles[name][: piece.numel()])
+            scale, shift = scale_shift(a, b)
+            return self.mul_(scale).add_(shift)
+
+        return fill
+
+    torch.Tensor.normal_ = filler("normal_", lambda mean, std: (std, mean))
+    torch.Tensor.uniform_ = filler("uniform_", lambda low, high: (high - low, low))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 def print_live_allocations(top: int = 12) -> None:
     """After a CUDA OOM: the live allocations grouped by the innermost line of our code (or transformers') that
     made them (recorded when --memory-history is on)."""
@@ -124,11 +158,11 @@ def dd_bandwidth(directory: str, gib: int = 4) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=["8b", "3b-nvme", "32b-lora"], required=True)
+    parser.add_argument("--case", choices=["8b", "8b-64k", "3b-nvme", "32b-lora"], required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
-    parser.add_argument("--long-seq", type=int, default=65536, help="8b: the activation-offload sequence")
+    parser.add_argument("--long-seq", type=int, default=65536, help="8b-64k: the sequence length")
     parser.add_argument("--nvme-path", default="slide-nvme")
     parser.add_argument("--out", default="benchmarks/results/memory.csv")
     parser.add_argument("--memory-history", action="store_true", help="record allocation stacks (for OOM reports)")
@@ -147,7 +181,8 @@ def main() -> None:
 
     def record(name: str, batch: int, seq: int, module, strategy, note: str = "") -> None:
         try:
-            result = train(module, strategy, batch, seq, args.steps, args.warmup, args.gpu_cap_gib)
+            with fast_random_init():
+                result = train(module, strategy, batch, seq, args.steps, args.warmup, args.gpu_cap_gib)
         except Exception as err:  # keep what was measured; say what failed
             traceback.print_exc()
             if isinstance(err, torch.OutOfMemoryError):
@@ -168,9 +203,10 @@ def main() -> None:
     if args.case == "8b":
         module = CausalLMModule(config=LLAMA_8B, lr=1e-5)
         record("llama3.1-8b full, state in RAM", 8, 4096, module, SlideFormerStrategy())  # activations: "auto"
-        if args.long_seq:
-            record("llama3.1-8b full, 64k sequence, activation offload", 1, args.long_seq, module,
-                   SlideFormerStrategy(offload_activations=True), note="host peak includes the 32k run's")  # fmt: skip
+    elif args.case == "8b-64k":
+        module = CausalLMModule(config=LLAMA_8B, lr=1e-5)
+        strategy = SlideFormerStrategy(offload_activations=True)
+        record("llama3.1-8b full, 64k sequence, activation offload", 1, args.long_seq, module, strategy)
     elif args.case == "32b-lora":
         module = CausalLMModule(config=QWEN_32B, lora=LoRA(r=16, alpha=32), lr=1e-4)
         record("qwen2.5-32b lora r=16, bf16 base", 2, 4096, module, SlideFormerStrategy())

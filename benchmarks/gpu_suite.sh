@@ -3,7 +3,7 @@
 # under a hard time limit, logs and CSV rows written to OUTDIR (default: benchmarks/results/run-<date>).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STEPS...]
-#   STEPS: any of tests quickstart flce attention core memory_8b memory_3b_nvme memory_32b_lora nvme_io
+#   STEPS: any of tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_32b_lora nvme_io
 #
 # The package must be importable as lightning_slide (pip install -e ., or PYTHONPATH). Every step is killed at its
 # limit (a stuck Triton compile ignores SIGTERM), and pytest dumps all thread stacks of a test that hangs.
@@ -11,7 +11,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-benchmarks/results/run-$(date +%F)}")
 shift || true
-steps=("${@:-tests quickstart flce attention core memory_8b memory_3b_nvme memory_32b_lora nvme_io}")
+steps=("${@:-tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_32b_lora nvme_io}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
@@ -37,6 +37,7 @@ step flce 150 python bench_flce.py --out "$out/flce.csv"
 step attention 150 python bench_attention.py --out "$out/attention.csv"
 step core 540 python bench_core.py --out "$out/core.csv"
 step memory_8b 300 python bench_memory.py --case 8b --out "$out/memory.csv"
+step memory_8b_64k 300 python bench_memory.py --case 8b-64k --out "$out/memory.csv"
 step memory_3b_nvme 240 python bench_memory.py --case 3b-nvme --steps 2 --nvme-path "${SLIDE_NVME_PATH:-$HOME/slide-nvme}" \
   --out "$out/memory.csv"
 step memory_32b_lora 400 python bench_memory.py --case 32b-lora --steps 2 --out "$out/memory.csv"

@@ -69,9 +69,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             LoRA base) in bf16 on the host: half the memory, and exactly the values bf16 compute reads. The
             module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
         offload_activations: keep the inputs each block saves for its recompute in pooled host memory instead of
-            on the GPU, fetched back one block ahead of the backward pass (long contexts). ``"auto"``: on CUDA,
-            when keeping all of them would not leave one block's working memory free on the GPU (decided at the
-            first training step, logged); never on the CPU.
+            on the GPU, fetched back one block ahead of the backward pass (long contexts). ``True``: every block's;
+            ``"auto"``: on CUDA, those of as few of the first blocks as let the rest and one block at work fit the
+            GPU; never on the CPU. When one block at work alone would not fit, its MLP also runs on slices of the
+            tokens (``engine/tiling.py``). Decided at the first training step, logged.
         optimizer_offload: where Adam's moments live between updates: ``"cpu"`` (RAM) or ``"nvme"`` (files under
             ``nvme_path``, read before each parameter's update and written after it; 8 bytes per trainable
             parameter less RAM); ``"auto"``: in RAM, unless they would not fit there and ``nvme_path`` is given
