@@ -1,9 +1,17 @@
 """Checkpoints for models whose state fills most of the host's memory: streamed to disk, atomic, and loaded
-without unpickling code or a second in-memory copy."""
+without unpickling code or a second in-memory copy.
+
+With the optimizer state on NVMe, a checkpoint is a directory: ``checkpoint.pt`` (weights, hyperparameters, loop
+state, and for each moment that lives in a file a reference to where it lies there) and ``state/``, copies of the
+state files made by the kernel (``shutil.copyfile``: no pass through this process's memory). Loading maps the
+copies and checks each chunk's CRC before the state goes back into the live files.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -11,36 +19,133 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from .engine.nvme import NvmeStateError
+
+CHECKPOINT_FILE = "checkpoint.pt"  # inside a checkpoint directory
+STATE_DIR = "state"
+
 
 class SlideCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint I/O for the SlideFormer strategy.
 
-    Saving: ``torch.save`` streams tensor by tensor into a temporary file beside the target, which is synced and
-    then renamed over the target, so a crash mid-write leaves the previous checkpoint intact. (Lightning's
+    Saving: ``torch.save`` streams tensor by tensor into a temporary file (or directory) beside the target, which is
+    synced and then renamed over the target, so a crash mid-write leaves the previous checkpoint intact. (Lightning's
     default first serializes the whole checkpoint into an in-memory buffer: a second copy of every weight and
     optimizer state.) Loading: ``torch.load(weights_only=True, mmap=True)``: plain tensors and containers only,
     read from the page cache on demand instead of into a second copy.
+
+    ``storage_options``: ``{"state_files": [...]}``, the files that the checkpoint's state references point into
+    (the strategy passes them when the optimizer state is on NVMe).
     """
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError("SlideCheckpointIO takes no storage_options; it writes local files.")
+        options = dict(storage_options or {})
+        state_files = options.pop("state_files", [])
+        if options:
+            raise TypeError(f"SlideCheckpointIO takes only storage_options={{'state_files': [...]}}; got {options}.")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
+        _remove(partial)
         try:
-            with open(partial, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(partial, path)
+            if _references(checkpoint):
+                partial.mkdir()
+                (partial / STATE_DIR).mkdir()
+                for source in state_files:
+                    shutil.copyfile(source, partial / STATE_DIR / os.path.basename(source))
+                    _fsync(partial / STATE_DIR / os.path.basename(source))
+                _save(checkpoint, partial / CHECKPOINT_FILE)
+            else:
+                _save(checkpoint, partial)
+            _replace(partial, path)
         except BaseException:
-            partial.unlink(missing_ok=True)
+            _remove(partial)
             raise
 
     @override
     def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        if not os.path.isfile(path):
+        path = Path(path)
+        if not path.exists():
             raise FileNotFoundError(f"Checkpoint {str(path)!r} not found.")
-        return torch.load(path, map_location="cpu", weights_only=weights_only is not False, mmap=True)
+        file = path / CHECKPOINT_FILE if path.is_dir() else path
+        checkpoint = torch.load(file, map_location="cpu", weights_only=weights_only is not False, mmap=True)
+        maps: dict[str, torch.Tensor] = {}
+        for state in _param_states(checkpoint):
+            for key, value in state.items():
+                if _is_reference(value):
+                    state[key] = _resolve(value, path / STATE_DIR, maps)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, path: str | Path) -> None:
+        _remove(Path(path))
+
+
+def _save(checkpoint: dict, file: Path) -> None:
+    with open(file, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(file: Path) -> None:
+    with open(file, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _replace(new: Path, path: Path) -> None:
+    """Put ``new`` at ``path``; a directory there (or a file, where ``new`` is a directory) goes only after."""
+    if new.is_file() and not path.is_dir():
+        os.replace(new, path)
+        return
+    old = path.with_name(path.name + ".old")
+    _remove(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(new, path)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _param_states(checkpoint: dict) -> list[dict]:
+    return [s for opt in checkpoint.get("optimizer_states", []) for s in opt.get("state", {}).values()]
+
+
+def _is_reference(value: Any) -> bool:
+    return isinstance(value, dict) and "nvme_state_file" in value
+
+
+def _references(checkpoint: dict) -> bool:
+    return any(_is_reference(v) for state in _param_states(checkpoint) for v in state.values())
+
+
+def _resolve(ref: dict, state_dir: Path, maps: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor a state reference points to: a view of a read-only map of the copied file, its CRCs checked."""
+    if ref["crcs"] is None:
+        return torch.zeros(ref["shape"])
+    file = state_dir / ref["nvme_state_file"]
+    start, nbytes = ref["offset"], ref["nbytes"]
+    if file.name not in maps:
+        size = file.stat().st_size if file.is_file() else 0
+        if size < start + nbytes:
+            raise NvmeStateError(
+                f"Optimizer state file {file} of this checkpoint is missing or truncated ({size} bytes, needs"
+                f" {start + nbytes}). Resume from another checkpoint."
+            )
+        maps[file.name] = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
+    raw = maps[file.name][start : start + nbytes]
+    chunk = ref["chunk_bytes"]
+    crcs = [zlib.crc32(raw[i : i + chunk].numpy()) for i in range(0, nbytes, chunk)]
+    if crcs != ref["crcs"]:
+        raise NvmeStateError(
+            f"Optimizer state in {file} (bytes {start}..{start + nbytes}) of this checkpoint is corrupt (checksum"
+            " mismatch). Resume from another checkpoint."
+        )
+    return raw.view(torch.float32).view(ref["shape"])

@@ -18,9 +18,10 @@ def export(args: list[str]) -> None:
     parser.add_argument("--out", required=True, help="a new (or empty) directory to write")
     parser.add_argument("--merge_lora", action="store_true", help="LoRA runs: write the merged model, not the adapter")
     opts = parser.parse_args(args)
-    for name in ("config", "ckpt_path"):
-        if not os.path.isfile(getattr(opts, name)):
-            parser.error(f"--{name} {getattr(opts, name)!r}: no such file.")
+    if not os.path.isfile(opts.config):
+        parser.error(f"--config {opts.config!r}: no such file.")
+    if not os.path.exists(opts.ckpt_path):  # a file, or a directory when the optimizer state was on NVMe
+        parser.error(f"--ckpt_path {opts.ckpt_path!r}: no such checkpoint.")
     if os.path.exists(opts.out) and (not os.path.isdir(opts.out) or os.listdir(opts.out)):
         parser.error(f"--out {opts.out!r} exists and is not an empty directory; nothing is overwritten.")
 

@@ -250,6 +250,12 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             )  # fmt: skip
             self.engine = make_engine(self.nvme_path)
             plan = self.engine.host_plan(stored)
+        if self.engine.nvme_path is not None and not isinstance(self.checkpoint_io, SlideCheckpointIO):
+            raise ValueError(
+                f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
+                f" SlideCheckpointIO; got checkpoint_io={type(self.checkpoint_io).__name__}. Leave checkpoint_io unset"
+                " (or subclass SlideCheckpointIO)."
+            )
         if self.num_slots == "auto":
             self.engine.num_slots = window_slots(self.engine.device_bytes(3), device_budget(self.root_device))
         self.precision_plugin.engine = self.engine
@@ -369,6 +375,14 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self._wait()
         state = super().optimizer_state(optimizer)
         return self.engine.with_offloaded_state(state) if self.engine is not None else state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        # with the optimizer state on NVMe, the checkpoint references the state files; they are copied beside it
+        files = self.engine.state_files() if self.engine is not None else []
+        if files:
+            storage_options = {**(storage_options or {}), "state_files": files}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

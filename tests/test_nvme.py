@@ -8,6 +8,7 @@ import torch
 
 from helpers import CausalLM, fit, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy
+from lightning_slide.checkpoint_io import SlideCheckpointIO
 from lightning_slide.engine.nvme import NvmeStateError
 
 
@@ -52,11 +53,61 @@ def test_nvme_resume_is_exact(tmp_path):
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)  # 4 steps: one epoch
     fit(module, strategy(), steps=4, enable_checkpointing=True, callbacks=[saver])
     path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
-    state = torch.load(path, weights_only=True)["optimizer_states"][0]["state"]
+    assert sorted(p.name for p in path.iterdir()) == ["checkpoint.pt", "state"]  # a directory, the files copied in
+    state = SlideCheckpointIO().load_checkpoint(path)["optimizer_states"][0]["state"]
     assert all({"step", "exp_avg", "exp_avg_sq"} <= set(s) for s in state.values())  # the moments are in it
+    assert all(isinstance(s["exp_avg"], torch.Tensor) for s in state.values())
+    assert list((tmp_path / "nvme").iterdir()) == []  # the training run removed its own files
     resumed, _ = fit(module, strategy(), steps=8, ckpt_path=str(path))
     err, where = max_rel_error(resumed, straight)
     assert err == 0, f"{where}: {err:.2e}"
+    in_ram, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="cpu"), steps=8, ckpt_path=str(path))
+    err, where = max_rel_error(in_ram, straight)  # the same checkpoint resumes with the state in RAM
+    assert err == 0, f"{where}: {err:.2e}"
+
+
+def _nvme_checkpoint(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path / "nvme"))
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=1, save_last=True)
+    fit(CausalLM(tiny_config("llama")), strategy, steps=4, enable_checkpointing=True, callbacks=[saver])
+    return strategy, tmp_path / "ckpt"
+
+
+def test_nvme_checkpoints_rotate_as_directories(tmp_path):
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == ["epoch=0-step=4.ckpt", "last.ckpt"]  # save_top_k=1 removed the step-2 directory
+    assert all((ckpt / n / "state").is_dir() for n in names)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_damaged_checkpoint_state_file_is_named_at_resume(tmp_path, damage):
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    victim = sorted((ckpt / "last.ckpt" / "state").iterdir())[1]
+    if damage == "corrupt":
+        with open(victim, "r+b") as f:
+            f.write(b"\xff" * 64)
+    else:
+        victim.unlink()
+    strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path / "nvme"))
+    with pytest.raises(NvmeStateError, match=rf"{victim.name}.* (corrupt|missing or truncated)"):
+        fit(CausalLM(tiny_config("llama")), strategy, steps=6, ckpt_path=str(ckpt / "last.ckpt"))
+    assert (ckpt / "epoch=0-step=4.ckpt" / "state").is_dir()  # the other checkpoint is untouched
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    last = ckpt / "last.ckpt"
+    before = sorted(p.name for p in (last / "state").iterdir())
+    checkpoint = SlideCheckpointIO().load_checkpoint(last)
+    checkpoint["optimizer_states"][0]["state"][0]["exp_avg"] = {"nvme_state_file": "x", "crcs": [0]}  # a reference
+    with pytest.raises(FileNotFoundError):  # ... whose file is gone
+        SlideCheckpointIO().save_checkpoint(checkpoint, last, storage_options={"state_files": [str(tmp_path / "x")]})
+    assert sorted(p.name for p in (last / "state").iterdir()) == before
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no partial left
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncate"])
@@ -211,3 +262,12 @@ def test_a_region_moves_in_checksummed_chunks(tmp_path, monkeypatch):
     with pytest.raises(nvme.NvmeStateError, match="checksum mismatch"):
         store.load(p)
     store.close()
+
+
+def test_nvme_state_needs_the_directory_checkpoint_io(tmp_path):
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path), checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(ValueError, match="SlideCheckpointIO"):
+        fit(CausalLM(tiny_config("llama")), strategy, steps=1)
+    assert list(tmp_path.iterdir()) == []  # refused before the state files were made

@@ -214,8 +214,8 @@ class SlideEngine:
         return (num_slots or self.num_slots) * nbytes(max_sizes(self.blocks)) + own + 2 * 4 * self._chunk_numel
 
     def with_offloaded_state(self, state_dict: dict) -> dict:
-        """``optimizer.state_dict()`` plus the moments that live in files, as read-only maps of those files (a
-        streaming save copies them page by page)."""
+        """``optimizer.state_dict()`` plus, for the moments that live in files, references to where they lie there
+        (``NvmeStateStore.reference``; the checkpoint I/O copies the files beside the checkpoint)."""
         store = self.optimizer.store if self.optimizer is not None else None
         if store is None:
             return state_dict
@@ -224,8 +224,13 @@ class SlideEngine:
         state = dict(state_dict["state"])
         for i, p in enumerate(params):
             if i in state and p in store.regions:
-                state[i] = {**state[i], **store.mapped(p)}
+                state[i] = {**state[i], **store.reference(p)}
         return {**state_dict, "state": state}
+
+    def state_files(self) -> list[str]:
+        """The files the optimizer state lives in (the NVMe tier), synced; none without it."""
+        store = self.optimizer.store if self.optimizer is not None else None
+        return store.synced_paths() if store is not None else []
 
     def adopt_loaded_state(self) -> None:
         """After ``optimizer.load_state_dict``: the loaded moments go into the files (NVMe tier), or into memory of

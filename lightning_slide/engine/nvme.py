@@ -10,8 +10,9 @@ where the file system allows it (page-aligned buffers, offsets and sizes), carry
 that is checked on every read, and are removed when training ends. A region never written reads as zeros (Adam's
 initial state) without touching the disk.
 
-Checkpoints: :meth:`NvmeStateStore.mapped` gives the state as read-only memory maps of the files, which a streaming
-``torch.save`` copies page by page (never the whole state in RAM); :meth:`write` puts loaded state back.
+Checkpoints: :meth:`NvmeStateStore.reference` describes where a parameter's state lies (file, offset, shape, CRCs);
+the checkpoint holds these references and a copy of the files (``checkpoint_io.py``), so the state never passes
+through RAM whole; :meth:`write` puts loaded state back.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ class NvmeStateStore:
         self.regions: dict[nn.Parameter, dict[str, _Region]] = {}
         self._free: dict[int, list[Tensor]] = {}  # pooled page-aligned buffers by size
         self._loaned: dict[nn.Parameter, dict[str, Tensor]] = {}
-        self._maps: dict[int, Tensor] = {}  # file -> its read-only map, while a checkpoint is written
         self._names: dict[nn.Parameter, str] = {}
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-nvme")  # all file I/O, in order
         self._chunk_pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="slide-nvme-chunk")
@@ -187,7 +187,6 @@ class NvmeStateStore:
             self._error = err
 
     def _write(self, region: _Region, buffer: Tensor) -> None:
-        self._maps.pop(region.file, None)  # a map taken for a checkpoint is stale now
         fd = self._fds[region.file]
 
         def write(chunk: tuple[int, int]) -> int:
@@ -228,24 +227,27 @@ class NvmeStateStore:
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
-    def mapped(self, param: nn.Parameter) -> dict[str, Tensor]:
-        """``param``'s state as views of a read-only map of its file (checked). All views of one file share one
-        map, so a streaming ``torch.save`` writes each file once, page by page. Call :meth:`flush` first."""
-        out = {}
-        for key, region in self.regions[param].items():
-            if region.crcs is None:
-                out[key] = torch.zeros(param.shape)
-                continue
-            if region.file not in self._maps:
-                path = self.paths[region.file]
-                os.fsync(self._fds[region.file])
-                size = os.path.getsize(path)
-                self._maps[region.file] = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-            raw = self._maps[region.file][region.offset : region.offset + region.nbytes]
-            if [zlib.crc32(raw[start:end].numpy()) for start, end in region.chunks()] != region.crcs:
-                raise NvmeStateError(f"Optimizer state in {self.paths[region.file]} ({key}) is corrupt.")
-            out[key] = raw.view(torch.float32).view(param.shape)
-        return out
+    def reference(self, param: nn.Parameter) -> dict[str, dict]:
+        """Where ``param``'s state lies, per key: the file's name, the byte offset and size, the shape and the CRC of
+        each chunk (``None``: never written, zeros). Plain data, for a checkpoint; call :meth:`flush` first."""
+        return {
+            key: {
+                "nvme_state_file": os.path.basename(self.paths[r.file]),
+                "offset": r.offset,
+                "nbytes": r.nbytes,
+                "shape": list(param.shape),
+                "chunk_bytes": CHUNK_BYTES,
+                "crcs": r.crcs,
+            }  # fmt: skip
+            for key, r in self.regions[param].items()
+        }
+
+    def synced_paths(self) -> list[str]:
+        """The state files, with every write submitted so far on disk."""
+        self.flush()
+        for fd in self._fds:
+            os.fsync(fd)
+        return list(self.paths)
 
     def write(self, param: nn.Parameter, key: str, value: Tensor) -> None:
         """Store ``value`` (e.g. from a checkpoint) as ``param``'s ``key`` state."""
@@ -263,7 +265,6 @@ class NvmeStateStore:
         """Finish pending I/O, close and remove the files."""
         self._io.shutdown(wait=True)
         self._chunk_pool.shutdown(wait=True)
-        self._maps.clear()
         while self._fds:
             os.close(self._fds.pop())
         shutil.rmtree(self.dir, ignore_errors=True)
