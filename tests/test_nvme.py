@@ -12,8 +12,13 @@ from lightning_slide.checkpoint_io import SlideCheckpointIO
 from lightning_slide.engine.nvme import NvmeStateError
 
 
-@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.05, 1), (None, 2)])
-def test_nvme_trains_exactly_like_ram_and_plain(tmp_path, clip, accumulate):
+@pytest.mark.parametrize(("clip", "accumulate", "small_blocks"), [(None, 1, False), (0.05, 1, False), (None, 2, False),
+                                                                  (None, 1, True), (0.05, 1, True)])  # fmt: skip
+def test_nvme_trains_exactly_like_ram_and_plain(tmp_path, monkeypatch, clip, accumulate, small_blocks):
+    from lightning_slide.engine import nvme
+
+    if small_blocks:  # every parameter of more than one page unit of rows in several blocks, as a large one would be
+        monkeypatch.setattr(nvme, "rows_per_block", lambda p, n: min(nvme._rows(p), nvme._rows_per_page_unit(p)))
     seen = {}
 
     class Look(L.Callback):
@@ -25,6 +30,7 @@ def test_nvme_trains_exactly_like_ram_and_plain(tmp_path, clip, accumulate):
             seen["resident"] = sum(len(s) for s in trainer.optimizers[0].state.values())
             seen["planned"] = trainer.strategy.engine.host_plan().disk
             seen["files"] = sum(os.path.getsize(p) for p in store.paths)
+            seen["blocks"] = max(len(r.crcs) for regions in store.regions.values() for r in regions.values())
 
     module = CausalLM(tiny_config("llama", tied=True))
     kwargs = dict(gradient_clip_val=clip, accumulate_grad_batches=accumulate)
@@ -32,17 +38,28 @@ def test_nvme_trains_exactly_like_ram_and_plain(tmp_path, clip, accumulate):
     ram, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
     disk, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path)),
                   callbacks=[Look()], **kwargs)  # fmt: skip
-    assert all(torch.equal(disk[k], ram[k]) for k in ram)
+    if small_blocks:  # torch's fused Adam rounds an element differently in the vector body and the tail of a slice
+        err, where = max_rel_error(disk, ram)
+        assert err < 1e-6, f"{where}: {err:.2e}"
+    else:  # the same slices as in RAM
+        assert all(torch.equal(disk[k], ram[k]) for k in ram)
     err, where = max_rel_error(disk, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
     assert seen["modes"] == {"0o600", "0o700"}  # private files in a private directory
     assert seen["resident"] == len(list(module.parameters()))  # only each parameter's step count stays in RAM
     assert not os.path.exists(seen["dir"])  # removed at the end
     assert seen["planned"] == seen["files"]  # the planner's disk need is what the files take
+    assert (seen["blocks"] > 1) == small_blocks
 
 
-def test_nvme_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_nvme_resume_is_exact(tmp_path, monkeypatch, small_blocks):
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_slide.engine import nvme
+
+    if small_blocks:  # several blocks per parameter, each with its CRC in the checkpoint
+        monkeypatch.setattr(nvme, "rows_per_block", lambda p, n: min(nvme._rows(p), nvme._rows_per_page_unit(p)))
 
     def strategy():
         return SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path / "nvme"))
@@ -61,9 +78,10 @@ def test_nvme_resume_is_exact(tmp_path):
     resumed, _ = fit(module, strategy(), steps=8, ckpt_path=str(path))
     err, where = max_rel_error(resumed, straight)
     assert err == 0, f"{where}: {err:.2e}"
-    in_ram, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="cpu"), steps=8, ckpt_path=str(path))
-    err, where = max_rel_error(in_ram, straight)  # the same checkpoint resumes with the state in RAM
-    assert err == 0, f"{where}: {err:.2e}"
+    if not small_blocks:  # (small blocks round differently from whole tensors in the last bit: see above)
+        in_ram, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="cpu"), steps=8, ckpt_path=str(path))
+        err, where = max_rel_error(in_ram, straight)  # the same checkpoint resumes with the state in RAM
+        assert err == 0, f"{where}: {err:.2e}"
 
 
 def _nvme_checkpoint(tmp_path):
@@ -211,12 +229,12 @@ def test_without_direct_io_the_store_falls_back_to_buffered_files(tmp_path, monk
 
     monkeypatch.setattr(nvme.os, "open", no_direct)
     p = nn.Parameter(torch.randn(5, 3))
-    store = nvme.NvmeStateStore(str(tmp_path), [("block", [p])], ("exp_avg", "exp_avg_sq"))
+    store = nvme.NvmeStateStore(str(tmp_path), [("block", [p])], ("exp_avg", "exp_avg_sq"), chunk_numel=1024)
     assert not store.direct
-    store.load(p)["exp_avg"].fill_(2.5)
-    store.save(p)
-    assert store.load(p)["exp_avg"].eq(2.5).all()
-    store.save(p)
+    store.load(p, 0)["exp_avg"].fill_(2.5)
+    store.save(p, 0)
+    assert store.load(p, 0)["exp_avg"].eq(2.5).all()
+    store.save(p, 0)
     store.close()
     assert list(tmp_path.iterdir()) == []
 
@@ -227,40 +245,47 @@ def test_read_ahead_is_bounded_and_reads_see_earlier_writes(tmp_path):
     from lightning_slide.engine.nvme import NvmeStateStore
 
     a, b = nn.Parameter(torch.zeros(1024)), nn.Parameter(torch.zeros(1024))  # 2 x 4 KiB of state each
-    store = NvmeStateStore(str(tmp_path), [("block", [a, b])], ("exp_avg", "exp_avg_sq"), max_ahead_bytes=3 * 4096)
-    store.load(a)["exp_avg"].fill_(1.0)
-    store.save(a)  # behind: queued on the I/O thread
+    keys = ("exp_avg", "exp_avg_sq")
+    store = NvmeStateStore(str(tmp_path), [("block", [a, b])], keys, chunk_numel=1024, max_ahead_bytes=3 * 4096)
+    store.load(a, 0)["exp_avg"].fill_(1.0)
+    store.save(a, 0)  # behind: queued for an I/O thread
     store.prefetch([a, b])  # only a fits in 3 pages
-    assert list(store._ahead) == [a]
-    assert store.load(a)["exp_avg"].eq(1.0).all()  # the read-ahead came after the write
-    store.save(a)
+    assert list(store._ahead) == [(a, 0)]
+    assert store.load(a, 0)["exp_avg"].eq(1.0).all()  # the read-ahead waited for the write
+    assert list(store._ahead) == [(b, 0)]  # room again: the next block is on its way
+    store.save(a, 0)
     store.close()
 
 
-def test_a_region_moves_in_checksummed_chunks(tmp_path, monkeypatch):
-    # large regions are split into chunks read and written by several threads; each chunk carries its own CRC
+def test_a_large_parameter_moves_in_checksummed_row_blocks(tmp_path):
+    # a parameter's state is split into row blocks of whole pages, read, written and checked one by one: a large
+    # embedding never has its whole state in RAM
     from torch import nn
 
     from lightning_slide.engine import nvme
 
-    monkeypatch.setattr(nvme, "CHUNK_BYTES", 4096)
-    p = nn.Parameter(torch.zeros(5000))  # 20 000 bytes of state per key: 5 chunks, the last one partly padding
-    store = nvme.NvmeStateStore(str(tmp_path), [("block", [p])], ("exp_avg",), io_threads=3)
-    values = torch.randn(5000)
-    store.load(p)["exp_avg"].copy_(values)
-    store.save(p)
+    p = nn.Parameter(torch.zeros(5000, 2))  # 8 bytes per row: 512 rows fill a page
+    store = nvme.NvmeStateStore(str(tmp_path), [("embed", [p])], ("exp_avg",), chunk_numel=1100, io_threads=3)
+    assert store.rows[p] == 512
+    assert store.blocks(p, None)[-1] == (slice(4608, 5000), 9)
+    values = torch.randn(5000, 2)
+    for rows, block in store.blocks(p, None):
+        store.load(p, block)["exp_avg"].copy_(values[rows])
+        store.save(p, block)
     store.flush()
-    assert len(store.regions[p]["exp_avg"].crcs) == 5
-    assert torch.equal(store.load(p)["exp_avg"], values)
-    store.save(p)
+    assert None not in store.regions[p]["exp_avg"].crcs
+    assert torch.equal(torch.cat([store.load(p, b)["exp_avg"] for b in range(10)]), values)
+    for b in range(10):
+        store.save(p, b)
     store.flush()
-    with open(store.paths[0], "r+b") as f:  # flip a byte in the fourth chunk
+    with open(store.paths[0], "r+b") as f:  # flip a byte in the fourth block
         f.seek(3 * 4096 + 7)
         byte = f.read(1)
         f.seek(3 * 4096 + 7)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(nvme.NvmeStateError, match="checksum mismatch"):
-        store.load(p)
+    assert torch.equal(store.load(p, 2)["exp_avg"], values[1024:1536])
+    with pytest.raises(nvme.NvmeStateError, match=r"exp_avg of embed: \(5000, 2\), bytes 12288..16384\) is corrupt"):
+        store.load(p, 3)
     store.close()
 
 

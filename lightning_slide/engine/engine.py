@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from .activations import ActivationStash
 from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
-from .nvme import NvmeStateStore
+from .nvme import NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
 from .planner import WORKING_INPUTS, HostPlan, blocks_to_offload, device_budget, plan_host, tiling_needed
 from .tiling import TILES, TiledMLP, gated_mlp
@@ -136,7 +136,9 @@ class SlideEngine:
             )
         self.nvme_path = nvme_path if self.optimizer is not None else None
         self._check_optimizer_params()
-        self._chunk_numel = max(chunk_numel, *(_row_numel(p) for u in self.units for p in u.params))
+        self._chunk_numel = max(chunk_numel, *(row_numel(p) for u in self.units for p in u.params))
+        if self.nvme_path is not None:  # a chunk holds at least one of the store's row blocks (whole pages)
+            self._chunk_numel = max(self._chunk_numel, *(min_block_numel(p) for u in self.units for p in u.params))
         # no more landing buffers than one step's gradients fill (a small model would pin GiBs for nothing); with
         # the state on disk, the disk sets the pace and gradients waiting for it would only take RAM
         grad_numel = sum(p.numel() for u in self.units for p in u.params if p.requires_grad)
@@ -270,7 +272,7 @@ class SlideEngine:
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
             frozen_bytes_per_element=stored_sizes,
-            state_on_disk=self.nvme_path is not None,
+            state_block_numel=self._chunk_numel if self.nvme_path is not None else None,
         )
 
     def setup(self) -> None:
@@ -297,7 +299,9 @@ class SlideEngine:
             )
         self._ready = True  # from here on, teardown releases what setup made, also if setup fails below
         if self.nvme_path is not None:
-            self.optimizer.store = NvmeStateStore(self.nvme_path, self._state_units(), self._state_keys())
+            self.optimizer.store = NvmeStateStore(
+                self.nvme_path, self._state_units(), self._state_keys(), chunk_numel=self._chunk_numel
+            )
         if self._offload_activations:
             self.activations = ActivationStash(self.transfer)
             self.offloading = None if self._offload_activations == "auto" else len(self.blocks)
@@ -629,7 +633,3 @@ def move_except_parameters(module: nn.Module, device: torch.device) -> None:
     finally:
         for m, name, p in saved:
             m._parameters[name] = p
-
-
-def _row_numel(p: Tensor) -> int:
-    return p.numel() // p.shape[0] if p.dim() else 1

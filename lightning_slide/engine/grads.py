@@ -211,7 +211,7 @@ class GradRouter:
         tr = self.transfer
         rows = param.shape[0] if param.dim() else 1
         row_numel = param.numel() // rows
-        step_rows = max(1, tr.chunk_numel // row_numel)
+        step_rows = self.optimizer.chunk_rows(param, tr.chunk_numel)  # with the NVMe tier, its blocks
         direct = self.retain and self._take_fresh(owner, param)
         if direct:
             self._device_sq[param] = torch.zeros((), dtype=torch.float32, device=tr.device)

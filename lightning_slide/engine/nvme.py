@@ -1,14 +1,15 @@
 """The NVMe tier: the optimizer's moment tensors live in files, one per unit (a block, the head, ...), instead of
-in RAM. A parameter's state is read into pooled, page-aligned buffers ahead of its update (as soon as its
-gradients are on their way, up to ``max_ahead_bytes`` of state in RAM) and written behind it. One ordering thread
-takes the reads and writes in submission order, so a read always sees the write submitted before it; each of them
-splits its regions into chunks that a few threads move and checksum at once (a single thread reaching the disk
-one request at a time, checksumming in between, got 1.1 GB/s of the 2.5-3 GB/s dd gets on the H200 machine).
+in RAM. Each parameter's state is split into row blocks (at most one transfer chunk of the parameter, whole pages
+each), so that a large parameter (a 128k-row embedding) never has its whole state in RAM. A block's state is read
+into pooled, page-aligned buffers ahead of its update (as soon as its gradients are on their way, up to
+``max_ahead_bytes`` of state in RAM) and written behind it. A few threads do the I/O, several blocks at once (one
+thread reaching the disk one request at a time, checksumming in between, got 1.1 GB/s of the 2.5-3 GB/s dd gets on
+the H200 machine); a block's read waits for the write of that block submitted before it.
 
 Files sit in a private directory (0700) made under ``nvme_path``, are private (0600), opened with ``O_DIRECT``
-where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per chunk of a region
-that is checked on every read, and are removed when training ends. A region never written reads as zeros (Adam's
-initial state) without touching the disk.
+where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per block that is checked
+on every read, and are removed when training ends. A block never written reads as zeros (Adam's initial state)
+without touching the disk.
 
 Checkpoints: :meth:`NvmeStateStore.reference` describes where a parameter's state lies (file, offset, shape, CRCs);
 the checkpoint holds these references and a copy of the files (``checkpoint_io.py``), so the state never passes
@@ -17,13 +18,15 @@ through RAM whole; :meth:`write` puts loaded state back.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 import threading
 import zlib
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -32,11 +35,40 @@ from .transfer import aligned_empty
 
 ALIGN = 4096
 READ_AHEAD_BYTES = 512 << 20  # state read ahead and not yet used, at most
-CHUNK_BYTES = 16 << 20  # one read or write request, and one checksum (a multiple of ALIGN)
 
 
 class NvmeStateError(RuntimeError):
     """Optimizer state on disk is missing, short or corrupt."""
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def row_numel(param: Tensor) -> int:
+    """Elements per row (leading index) of ``param``; a 0-d tensor is one row."""
+    return param.numel() // param.shape[0] if param.dim() and param.shape[0] else max(1, param.numel())
+
+
+def _rows(param: Tensor) -> int:
+    return param.shape[0] if param.dim() else 1
+
+
+def _rows_per_page_unit(param: Tensor) -> int:
+    # the fewest rows whose fp32 bytes fill whole pages
+    return ALIGN // math.gcd(row_numel(param) * 4, ALIGN)
+
+
+def min_block_numel(param: Tensor) -> int:
+    """The fewest elements a row block of ``param`` can hold (whole rows filling whole pages)."""
+    return _rows_per_page_unit(param) * row_numel(param)
+
+
+def rows_per_block(param: Tensor, chunk_numel: int) -> int:
+    """Rows of ``param`` in one block: as many as fit ``chunk_numel`` elements in whole pages (at least
+    :func:`min_block_numel`'s rows), or all of them."""
+    unit = _rows_per_page_unit(param)
+    return min(_rows(param), unit * max(1, chunk_numel // row_numel(param) // unit))
 
 
 @dataclass
@@ -44,16 +76,14 @@ class _Region:
     file: int  # index into the store's files
     offset: int
     nbytes: int
-    crcs: list[int] | None = None  # one per chunk; None: never written (zeros)
+    block_bytes: int  # one row block (whole pages); the last one may be shorter
+    crcs: list[int | None] = field(default_factory=list)  # per block; None: never written (zeros)
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """(start, end) of each chunk, relative to the region; the last one ends at the region's aligned size."""
-        size = _aligned(self.nbytes)
-        return [(start, min(start + CHUNK_BYTES, size)) for start in range(0, size, CHUNK_BYTES)]
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+    def block(self, index: int) -> tuple[int, int]:
+        """(start, end) of a block relative to the region; the last one ends at the region's aligned size."""
+        start = index * self.block_bytes
+        end = start + self.block_bytes
+        return start, end if end < self.nbytes else _aligned(self.nbytes)
 
 
 class NvmeStateStore:
@@ -63,8 +93,9 @@ class NvmeStateStore:
         root: an existing, writable directory on the fast disk.
         units: (name, parameters) per file.
         keys: the state tensors per parameter, e.g. ``("exp_avg", "exp_avg_sq")``.
+        chunk_numel: elements per row block, at most (see :func:`rows_per_block`).
         max_ahead_bytes: state read ahead and not yet used may hold at most this much RAM.
-        io_threads: chunks moved (and checksummed) at once.
+        io_threads: blocks read or written at once.
     """
 
     def __init__(
@@ -72,6 +103,8 @@ class NvmeStateStore:
         root: str,
         units: list[tuple[str, list[nn.Parameter]]],
         keys: tuple[str, ...],
+        *,
+        chunk_numel: int,
         max_ahead_bytes: int = READ_AHEAD_BYTES,
         io_threads: int = 4,
     ) -> None:
@@ -82,12 +115,14 @@ class NvmeStateStore:
         self._fds: list[int] = []
         self.direct = True
         self.regions: dict[nn.Parameter, dict[str, _Region]] = {}
+        self.rows: dict[nn.Parameter, int] = {}  # rows per block
         self._free: dict[int, list[Tensor]] = {}  # pooled page-aligned buffers by size
-        self._loaned: dict[nn.Parameter, dict[str, Tensor]] = {}
+        self._loaned: dict[tuple[nn.Parameter, int], dict[str, Tensor]] = {}
         self._names: dict[nn.Parameter, str] = {}
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slide-nvme")  # all file I/O, in order
-        self._chunk_pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="slide-nvme-chunk")
-        self._ahead: dict[nn.Parameter, Future] = {}
+        self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="slide-nvme")
+        self._writes: dict[tuple[nn.Parameter, int], Future] = {}  # the last write of each block
+        self._ahead: dict[tuple[nn.Parameter, int], Future] = {}
+        self._wanted: deque[tuple[nn.Parameter, int]] = deque()  # blocks to read ahead when there is room
         self._ahead_bytes = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None  # a failed write-behind, raised at the next load or flush
@@ -96,9 +131,13 @@ class NvmeStateStore:
                 offset = 0
                 for p in params:
                     self._names[p] = f"{name}: {tuple(p.shape)}"
+                    self.rows[p] = rows_per_block(p, chunk_numel)
+                    block_bytes = self.rows[p] * row_numel(p) * 4
+                    blocks = -(-_rows(p) // self.rows[p])
                     self.regions[p] = {}
                     for key in keys:
-                        self.regions[p][key] = _Region(len(self.paths), offset, p.numel() * 4)
+                        self.regions[p][key] = _Region(len(self.paths), offset, p.numel() * 4, block_bytes,
+                                                       [None] * blocks)  # fmt: skip
                         offset += _aligned(p.numel() * 4)
                 path = os.path.join(self.dir, f"{i:04d}-{name or 'root'}.bin")
                 self.paths.append(path)
@@ -124,120 +163,141 @@ class NvmeStateStore:
                     os.unlink(path)
         return os.open(path, flags, 0o600)
 
-    # ---- one parameter's state in RAM while it is updated ----------------------------------------------------
+    def blocks(self, param: nn.Parameter, rows: slice | None) -> list[tuple[slice | None, int]]:
+        """``param``'s blocks within ``rows`` (``None``: all; else whole blocks): their rows (relative to ``rows``;
+        ``None`` for a 0-d parameter) and indices."""
+        if param.dim() == 0:
+            return [(None, 0)]
+        start, stop = (rows.start, rows.stop) if rows is not None else (0, param.shape[0])
+        per = self.rows[param]
+        if start % per or (stop % per and stop != param.shape[0]):
+            raise ValueError(f"rows {start}..{stop} of {self._names[param]} are not whole blocks of {per} rows")
+        return [(slice(r - start, min(r + per, stop) - start), r // per) for r in range(start, stop, per)]
+
+    # ---- one block's state in RAM while it is updated --------------------------------------------------------
 
     def prefetch(self, params: list[nn.Parameter]) -> None:
-        """Start reading the state of ``params`` (their updates come next), within ``max_ahead_bytes``."""
+        """The updates of ``params`` come next: read their blocks ahead, as far as ``max_ahead_bytes`` allows."""
         with self._lock:
             for p in params:
-                if p not in self.regions or p in self._ahead:
-                    continue
-                nbytes = self._state_bytes(p)
-                if self._ahead_bytes + nbytes > self.max_ahead_bytes:
-                    return
-                self._ahead_bytes += nbytes
-                self._ahead[p] = self._io.submit(self._read_param, p)
+                if p in self.regions:
+                    self._wanted.extend((p, b) for b in range(len(self.regions[p][self.keys[0]].crcs)))
+        self._refill()
 
-    def load(self, param: nn.Parameter) -> dict[str, Tensor]:
-        """The state of ``param`` in pooled buffers (read ahead, or now), checked against its CRCs."""
-        self._raise()
+    def _refill(self) -> None:
         with self._lock:
-            future = self._ahead.pop(param, None)
-            if future is not None:
-                self._ahead_bytes -= self._state_bytes(param)
-        buffers = (future or self._io.submit(self._read_param, param)).result()
-        self._loaned[param] = buffers
-        return {key: _as_state(buffers[key], param) for key in buffers}
+            while self._wanted:
+                block = self._wanted[0]
+                nbytes = self._block_bytes(*block)
+                if block not in self._ahead and block not in self._loaned:
+                    if self._ahead and self._ahead_bytes + nbytes > self.max_ahead_bytes:
+                        return
+                    self._ahead_bytes += nbytes
+                    self._ahead[block] = self._io.submit(self._read_block, *block)
+                self._wanted.popleft()
 
-    def save(self, param: nn.Parameter) -> None:
-        """Write back ``param``'s state (updated in the buffers :meth:`load` gave), behind the caller."""
-        self._io.submit(self._write_param, param, self._loaned.pop(param))
+    def load(self, param: nn.Parameter, block: int) -> dict[str, Tensor]:
+        """The state of one block of ``param`` (its rows) in pooled buffers (read ahead, or now), CRC-checked."""
+        self._raise()
+        key = (param, block)
+        with self._lock:
+            future = self._ahead.pop(key, None)
+            if future is not None:
+                self._ahead_bytes -= self._block_bytes(param, block)
+        buffers = (future or self._io.submit(self._read_block, param, block)).result()
+        self._refill()
+        self._loaned[key] = buffers
+        rows = self.blocks(param, None)[block][0]
+        shape = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
+        return {k: buffers[k][: math.prod(shape) * 4].view(torch.float32).view(shape) for k in buffers}
+
+    def save(self, param: nn.Parameter, block: int) -> None:
+        """Write back the block's state (updated in the buffers :meth:`load` gave), behind the caller."""
+        key = (param, block)
+        self._writes[key] = self._io.submit(self._write_block, param, block, self._loaned.pop(key))
 
     def flush(self) -> None:
         """Wait for every write submitted so far (and raise a failed one)."""
-        self._io.submit(lambda: None).result()
+        for future in list(self._writes.values()):
+            future.result()
         self._raise()
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def _state_bytes(self, param: nn.Parameter) -> int:
-        return sum(_aligned(r.nbytes) for r in self.regions[param].values())
+    def _block_bytes(self, param: nn.Parameter, block: int) -> int:
+        return sum(_aligned(r.block(block)[1] - r.block(block)[0]) for r in self.regions[param].values())
 
-    # ---- on the I/O thread -----------------------------------------------------------------------------------
+    # ---- on the I/O threads ----------------------------------------------------------------------------------
 
-    def _read_param(self, param: nn.Parameter) -> dict[str, Tensor]:
+    def _read_block(self, param: nn.Parameter, block: int) -> dict[str, Tensor]:
+        prior = self._writes.get((param, block))
+        if prior is not None:
+            prior.result()  # submitted before this read, so already taken by a thread: no deadlock
         buffers = {}
         for key, region in self.regions[param].items():
-            buffer = self._take(_aligned(region.nbytes))
-            if region.crcs is None:
+            start, end = region.block(block)
+            buffer = self._take(end - start)
+            if region.crcs[block] is None:
                 buffer.zero_()
             else:
-                self._read(region, buffer, f"{key} of {self._names[param]}")
+                self._read(region, block, buffer, f"{key} of {self._names[param]}")
             buffers[key] = buffer
         return buffers
 
-    def _write_param(self, param: nn.Parameter, buffers: dict[str, Tensor]) -> None:
+    def _write_block(self, param: nn.Parameter, block: int, buffers: dict[str, Tensor]) -> None:
         try:
             for key, buffer in buffers.items():
-                self._write(self.regions[param][key], buffer)
+                self._write(self.regions[param][key], block, buffer)
                 self._give(buffer)
         except BaseException as err:
             self._error = err
 
-    def _write(self, region: _Region, buffer: Tensor) -> None:
-        fd = self._fds[region.file]
+    def _write(self, region: _Region, block: int, buffer: Tensor) -> None:
+        start, end = region.block(block)
+        written = os.pwritev(self._fds[region.file], [buffer.numpy()], region.offset + start)
+        if written != end - start:
+            raise NvmeStateError(f"Short write to {self.paths[region.file]} ({written} of {end - start} bytes).")
+        region.crcs[block] = zlib.crc32(buffer[: min(end, region.nbytes) - start].numpy())
 
-        def write(chunk: tuple[int, int]) -> int:
-            start, end = chunk
-            written = os.pwritev(fd, [buffer[start:end].numpy()], region.offset + start)
-            if written != end - start:
-                raise NvmeStateError(f"Short write to {self.paths[region.file]} ({written} of {end - start} bytes).")
-            return zlib.crc32(buffer[start : min(end, region.nbytes)].numpy())
-
-        region.crcs = None  # until every chunk is on disk
-        region.crcs = list(self._chunk_pool.map(write, region.chunks()))
-
-    def _read(self, region: _Region, buffer: Tensor, what: str) -> None:
-        fd = self._fds[region.file]
-
-        def read(chunk: tuple[int, int]) -> tuple[bool, int]:
-            start, end = chunk
-            complete = os.preadv(fd, [buffer[start:end].numpy()], region.offset + start) == end - start
-            return complete, zlib.crc32(buffer[start : min(end, region.nbytes)].numpy())
-
-        results = list(self._chunk_pool.map(read, region.chunks()))
-        complete = all(done for done, _ in results)
-        if complete and [crc for _, crc in results] == region.crcs:
+    def _read(self, region: _Region, block: int, buffer: Tensor, what: str) -> None:
+        start, end = region.block(block)
+        got = os.preadv(self._fds[region.file], [buffer.numpy()], region.offset + start)
+        if got == end - start and zlib.crc32(buffer[: min(end, region.nbytes) - start].numpy()) == region.crcs[block]:
             return
-        end = region.offset + region.nbytes
+        at = region.offset + start
         raise NvmeStateError(
-            f"Optimizer state in {self.paths[region.file]} ({what}, bytes {region.offset}..{end}) is"
-            f" {'corrupt (checksum mismatch)' if complete else 'truncated'}. Training stops here; resume from the"
-            " last checkpoint."
+            f"Optimizer state in {self.paths[region.file]} ({what}, bytes {at}..{at + end - start}) is"
+            f" {'corrupt (checksum mismatch)' if got == end - start else 'truncated'}. Training stops here; resume"
+            " from the last checkpoint."
         )
 
     def _take(self, nbytes: int) -> Tensor:
-        free = self._free.get(nbytes)
-        return free.pop() if free else aligned_empty(nbytes, ALIGN)
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return aligned_empty(nbytes, ALIGN)
 
     def _give(self, buffer: Tensor) -> None:
-        self._free.setdefault(buffer.numel(), []).append(buffer)
+        with self._lock:
+            self._free.setdefault(buffer.numel(), []).append(buffer)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
     def reference(self, param: nn.Parameter) -> dict[str, dict]:
-        """Where ``param``'s state lies, per key: the file's name, the byte offset and size, the shape and the CRC of
-        each chunk (``None``: never written, zeros). Plain data, for a checkpoint; call :meth:`flush` first."""
+        """Where ``param``'s state lies, per key: the file's name, the byte offset and size, the shape, the block size
+        and each block's CRC (``None``: never written, zeros). Plain data, for a checkpoint; call :meth:`flush`
+        first."""
         return {
             key: {
                 "nvme_state_file": os.path.basename(self.paths[r.file]),
                 "offset": r.offset,
                 "nbytes": r.nbytes,
                 "shape": list(param.shape),
-                "chunk_bytes": CHUNK_BYTES,
-                "crcs": r.crcs,
+                "chunk_bytes": r.block_bytes,
+                "crcs": list(r.crcs),
             }  # fmt: skip
             for key, r in self.regions[param].items()
         }
@@ -251,24 +311,22 @@ class NvmeStateStore:
 
     def write(self, param: nn.Parameter, key: str, value: Tensor) -> None:
         """Store ``value`` (e.g. from a checkpoint) as ``param``'s ``key`` state."""
+        region = self.regions[param][key]
 
-        def write() -> None:
-            region = self.regions[param][key]
-            buffer = self._take(_aligned(region.nbytes))
-            _as_state(buffer, param).copy_(value)
-            self._write(region, buffer)
+        def write(block: int, rows: slice | None) -> None:
+            start, end = region.block(block)
+            buffer = self._take(end - start)
+            part = value if rows is None else value[rows]
+            buffer[: part.numel() * 4].view(torch.float32).view(part.shape).copy_(part)
+            self._write(region, block, buffer)
             self._give(buffer)
 
-        self._io.submit(write).result()
+        for future in [self._io.submit(write, block, rows) for rows, block in self.blocks(param, None)]:
+            future.result()
 
     def close(self) -> None:
         """Finish pending I/O, close and remove the files."""
         self._io.shutdown(wait=True)
-        self._chunk_pool.shutdown(wait=True)
         while self._fds:
             os.close(self._fds.pop())
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _as_state(buffer: Tensor, param: nn.Parameter) -> Tensor:
-    return buffer[: param.numel() * 4].view(torch.float32).view(param.shape)

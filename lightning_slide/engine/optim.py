@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from .nvme import NvmeStateStore
+from .nvme import NvmeStateStore, row_numel
 
 SUPPORTED_OPTIMIZERS = (AdamW, Adam, SGD)
 
@@ -45,7 +45,8 @@ class CpuOptimizer:
         optimizer: the user's optimizer; its parameters are the fp32 masters in CPU memory.
 
     With a ``store`` (the NVMe tier, set by the engine), Adam's moments live there instead of in
-    ``optimizer.state``, which then keeps only each parameter's step count between updates.
+    ``optimizer.state``, which then keeps only each parameter's step count; updates then run block by block of
+    the store's rows, each block's moments read before and written after.
 
     Raises:
         TypeError: for any other optimizer class (subclasses included: their ``step`` may differ).
@@ -88,6 +89,12 @@ class CpuOptimizer:
                 )
         return out
 
+    def chunk_rows(self, param: Tensor, chunk_numel: int) -> int:
+        """Rows of ``param`` per gradient chunk: the store's blocks, or as many as fit ``chunk_numel``."""
+        if self.store is not None and param in self.store.rows:
+            return self.store.rows[param]
+        return max(1, chunk_numel // row_numel(param))
+
     def prefetch(self, params: list[Tensor]) -> None:
         """The updates of ``params`` come next: start reading their state if it lives on disk."""
         if self.store is not None:
@@ -110,8 +117,6 @@ class CpuOptimizer:
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 if hypers.amsgrad:
                     state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        if self.store is not None:
-            state.update(self.store.load(param))  # the moments, until end()
         state["step"] += 1
 
     def update(
@@ -132,26 +137,38 @@ class CpuOptimizer:
             grad_scale: a 1-element tensor; gradients are divided by it (the clipping coefficient enters here).
         """
         rows = rows if rows is not None else [None] * len(params)
-        cut = [lambda t, r=r: t if r is None else t[r] for r in rows]
+        if self.store is not None and not self.is_sgd:  # the moments come from disk, block by block
+            for p, g, r in zip(params, grads, rows):
+                start = r.start if r is not None else 0
+                for part, block in self.store.blocks(p, r):
+                    moments = self.store.load(p, block)  # the block's rows
+                    at = None if part is None else slice(start + part.start, start + part.stop)
+                    grad = g if part is None or part == slice(0, len(g)) else g[part]
+                    self._adam([_cut(p.data, at)], [grad], [moments], [self.optimizer.state[p]["step"]], hypers,
+                               grad_scale)  # fmt: skip
+                    self.store.save(p, block)
+            return
         states = [self.optimizer.state[p] for p in params]
-        ps = [c(p.data) for c, p in zip(cut, params)]
+        ps = [_cut(p.data, r) for p, r in zip(params, rows)]
         if self.is_sgd:
             first = self._sgd_first[params[0]]
             assert all(self._sgd_first[p] == first for p in params)
-            bufs = [c(s["momentum_buffer"]) for c, s in zip(cut, states)] if hypers.momentum != 0 else []
+            bufs = [_cut(s["momentum_buffer"], r) for s, r in zip(states, rows)] if hypers.momentum != 0 else []
             torch._fused_sgd_(
                 ps, grads, bufs, weight_decay=hypers.weight_decay, momentum=hypers.momentum, lr=hypers.lr,
                 dampening=hypers.dampening, nesterov=hypers.nesterov, maximize=hypers.maximize,
                 is_first_step=first, grad_scale=grad_scale,
             )  # fmt: skip
             return
+        moments = [{k: _cut(v, r) for k, v in s.items() if k != "step"} for s, r in zip(states, rows)]
+        self._adam(ps, grads, moments, [s["step"] for s in states], hypers, grad_scale)
+
+    @staticmethod
+    def _adam(ps, grads, moments: list[dict[str, Tensor]], steps, hypers: Hypers, grad_scale) -> None:
         fused = torch._fused_adamw_ if hypers.decoupled else torch._fused_adam_
         fused(
-            ps, grads,
-            [c(s["exp_avg"]) for c, s in zip(cut, states)],
-            [c(s["exp_avg_sq"]) for c, s in zip(cut, states)],
-            [c(s["max_exp_avg_sq"]) for c, s in zip(cut, states)] if hypers.amsgrad else [],
-            [s["step"] for s in states],
+            ps, grads, [m["exp_avg"] for m in moments], [m["exp_avg_sq"] for m in moments],
+            [m["max_exp_avg_sq"] for m in moments] if hypers.amsgrad else [], steps,
             lr=hypers.lr, beta1=hypers.beta1, beta2=hypers.beta2, weight_decay=hypers.weight_decay,
             eps=hypers.eps, amsgrad=hypers.amsgrad, maximize=hypers.maximize, grad_scale=grad_scale,
         )  # fmt: skip
@@ -159,8 +176,7 @@ class CpuOptimizer:
     def end(self, param: Tensor) -> None:
         """Finish this step's update of ``param``."""
         self._sgd_first.pop(param, None)
-        if self.store is not None:
-            self.store.save(param)
-            state = self.optimizer.state[param]
-            for key in self.store.keys:
-                del state[key]
+
+
+def _cut(t: Tensor, rows: slice | None) -> Tensor:
+    return t if rows is None else t[rows]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .nvme import READ_AHEAD_BYTES
+from .nvme import READ_AHEAD_BYTES, row_numel, rows_per_block
 
 GIB = 2**30
 
@@ -54,12 +54,13 @@ def plan_host(
     landing_bytes: int,
     pinned: bool,
     frozen_bytes_per_element: dict[nn.Parameter, int] | None = None,
-    state_on_disk: bool = False,
+    state_block_numel: int | None = None,
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
     Args:
         frozen_bytes_per_element: element sizes that parameters will be stored with, where they differ from now.
+        state_block_numel: with the optimizer state on disk, the elements of its row blocks (``None``: in RAM).
     """
     sizes = frozen_bytes_per_element or {}
 
@@ -74,9 +75,11 @@ def plan_host(
     per = _state_per_fp32(optimizer) if optimizer is not None else 0
     state = trainable_bytes * per
     disk = 0
-    if state_on_disk:  # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, and the one being updated
+    if state_block_numel is not None:  # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, and the
+        # block being updated
         disk = sum(-(-p.numel() * 4 // 4096) * 4096 for p in trainable) * per
-        state = min(state, max((p.numel() * 4 for p in trainable), default=0) * per + READ_AHEAD_BYTES)
+        block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
+        state = min(state, block * 4 * per + READ_AHEAD_BYTES)
     retained = trainable_bytes if retain_grads and optimizer is not None else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     locked = masters + retained + landing_bytes if pinned else 0
