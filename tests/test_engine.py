@@ -230,6 +230,21 @@ def test_offloading_only_the_first_blocks_gives_the_same_training(monkeypatch):
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
 
 
+def test_offloaded_inputs_that_would_not_fit_ram_are_a_clear_error(monkeypatch):
+    import lightning_slide.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)  # every input must leave the GPU
+    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)
+    module = CausalLM(tiny_config("llama"))
+    adam = 8 * sum(p.numel() for p in module.parameters())  # what Adam's state will take at the first update
+    inputs = 4 * 4 * 4 * SEQ * module.model.config.hidden_size  # 4 blocks: fp32 inputs of batches of 4
+    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: adam + inputs)
+    fit(module, SlideFormerStrategy(num_slots=2), steps=1)  # just fits
+    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: adam + inputs - 1)
+    with pytest.raises(MemoryError, match=r"saved inputs of 4 blocks .* GiB of RAM is available"):
+        fit(module, SlideFormerStrategy(num_slots=2), steps=1)
+
+
 def test_offload_moves_as_few_blocks_as_make_the_rest_fit():
     from lightning_slide.engine.planner import _DEVICE_MARGIN, WORKING_INPUTS, blocks_to_offload
 

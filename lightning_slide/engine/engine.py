@@ -32,7 +32,15 @@ from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
 from .nvme import NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
-from .planner import WORKING_INPUTS, HostPlan, blocks_to_offload, device_budget, plan_host, tiling_needed
+from .planner import (
+    WORKING_INPUTS,
+    HostPlan,
+    available_host_bytes,
+    blocks_to_offload,
+    device_budget,
+    plan_host,
+    tiling_needed,
+)
 from .tiling import TILES, TiledMLP, gated_mlp
 from .transfer import Transfer
 from .units import DeviceBuffer, Unit, max_sizes
@@ -536,6 +544,13 @@ class SlideEngine:
                     self.offloading, blocks, saved * self.offloading / 2**30, blocks, saved * blocks / 2**30,
                     saved * WORKING_INPUTS / 2**30, budget / 2**30,
                 )  # fmt: skip
+        if saved * self.offloading > (available := available_host_bytes() - self._host_to_come()):
+            raise MemoryError(
+                f"SlideFormer must keep the saved inputs of {self.offloading} blocks"
+                f" ({saved * self.offloading / 2**30:.2f} GiB) in host memory for the GPU to hold the rest, but only"
+                f" {available / 2**30:.2f} GiB of RAM is available. Lower the tokens per step (batch size or sequence"
+                " length; accumulate_grad_batches keeps the tokens per optimizer step), or free RAM."
+            )
         self.tiling = bool(self._tiled) and tiling_needed(saved, budget, reserved)
         for tiled in self._tiled:
             tiled.active = self.tiling
@@ -544,6 +559,14 @@ class SlideEngine:
                 "SlideFormer runs the blocks' MLPs on %d slices of the tokens: one block at work (~%.2f GiB) would not"
                 " fit the %.2f GiB left on the GPU.", TILES, saved * WORKING_INPUTS / 2**30, budget / 2**30,
             )  # fmt: skip
+
+    def _host_to_come(self) -> int:
+        # host bytes of the plan not allocated yet: the optimizer state and retained gradients appear at the first step
+        if self.optimizer is None:
+            return 0
+        plan = self.host_plan()
+        state = plan.optimizer_state if not self.optimizer.optimizer.state else 0
+        return state + (plan.retained_grads if not self.router.host else 0)
 
     def begin_step(self, step: int) -> None:
         """``optimizer_step`` was called: the hyperparameters in force now are the ones applied."""
