@@ -153,21 +153,25 @@ def test_checkpoint_and_resume_at_epoch_end_continue_exactly(tmp_path):
     assert err < 1e-6, f"{where}: {err:.2e}"
 
 
+class _PooledInputs(L.Callback):
+    """Records how many block inputs went through the engine's host pool."""
+
+    def __init__(self):
+        self.pooled = []
+
+    def on_train_end(self, trainer, module):
+        self.pooled.append(sum(len(v) for v in trainer.strategy.engine.activations._free.values()))
+
+
 @pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.5, 2)])
 def test_activation_offload_gives_the_same_training(clip, accumulate):
-    pooled = []
-
-    class Look(L.Callback):
-        def on_train_end(self, trainer, module):
-            pooled.append(sum(len(v) for v in trainer.strategy.engine.activations._free.values()))
-
+    look = _PooledInputs()
     module = StackLM(dropout=0.2)  # dropout: the recompute replays the RNG on restored inputs
     kwargs = dict(gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     ref, _ = fit(module, "auto", **kwargs)
     kept, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
-    moved, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=True), callbacks=[Look()], **kwargs)
-    assert pooled
-    assert pooled[0] > 0  # block inputs went through the host pool
+    moved, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=True), callbacks=[look], **kwargs)
+    assert look.pooled[0] > 0  # block inputs went through the host pool
     assert all(torch.equal(moved[k], kept[k]) for k in kept)  # copies are exact
     err, where = max_rel_error(moved, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -197,17 +201,12 @@ def test_auto_activation_offload_follows_the_gpu_budget(monkeypatch, caplog, bud
 
     monkeypatch.setattr(engine_module, "device_budget", lambda device: budget)
     monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
-    pooled = []
-
-    class Look(L.Callback):
-        def on_train_end(self, trainer, module):
-            pooled.append(sum(len(v) for v in trainer.strategy.engine.activations._free.values()))
-
+    look = _PooledInputs()
     module = StackLM()
     ref, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=False))
     with caplog.at_level("INFO"):
-        ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[Look()])
-    assert (pooled[0] > 0) == offloads
+        ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[look])
+    assert (look.pooled[0] > 0) == offloads
     assert ("SlideFormer offloads the activations" in caplog.text) == offloads
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
 
@@ -217,16 +216,11 @@ def test_offloading_only_the_first_blocks_gives_the_same_training(monkeypatch):
 
     monkeypatch.setattr(engine_module, "device_budget", lambda device: 1 << 40)
     monkeypatch.setattr(engine_module, "blocks_to_offload", lambda *args: 1)  # what a GPU with room for the rest says
-    pooled = []
-
-    class Look(L.Callback):
-        def on_train_end(self, trainer, module):
-            pooled.append(sum(len(v) for v in trainer.strategy.engine.activations._free.values()))
-
+    look = _PooledInputs()
     module = StackLM()
     ref, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=False))
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[Look()])
-    assert pooled == [1]  # one block's input went through the host pool
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[look])
+    assert look.pooled == [1]  # one block's input went through the host pool
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
 
 
