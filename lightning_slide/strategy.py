@@ -74,7 +74,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             GPU; never on the CPU. When one block at work alone would not fit, its MLP also runs on slices of the
             tokens (``engine/tiling.py``). Decided at the first training step, logged.
         optimizer_offload: where Adam's moments live between updates: ``"cpu"`` (RAM) or ``"nvme"`` (files under
-            ``nvme_path``, read before each parameter's update and written after it; 8 bytes per trainable
+            ``nvme_path``, read block by block of rows before each update and written after it; 8 bytes per trainable
             parameter less RAM); ``"auto"``: in RAM, unless they would not fit there and ``nvme_path`` is given
             (decided from the host plan before anything is pinned, logged).
         nvme_path: an existing, writable directory on a fast disk for the NVMe tier; ``None``: the

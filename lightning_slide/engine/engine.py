@@ -544,7 +544,7 @@ class SlideEngine:
                     self.offloading, blocks, saved * self.offloading / 2**30, blocks, saved * blocks / 2**30,
                     saved * WORKING_INPUTS / 2**30, budget / 2**30,
                 )  # fmt: skip
-        if saved * self.offloading > (available := available_host_bytes() - self._host_to_come()):
+        if self.offloading and saved * self.offloading > (available := available_host_bytes() - self._host_to_come()):
             raise MemoryError(
                 f"SlideFormer must keep the saved inputs of {self.offloading} blocks"
                 f" ({saved * self.offloading / 2**30:.2f} GiB) in host memory for the GPU to hold the rest, but only"

@@ -75,8 +75,8 @@ def plan_host(
     per = _state_per_fp32(optimizer) if optimizer is not None else 0
     state = trainable_bytes * per
     disk = 0
-    if state_block_numel is not None:  # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, and the
-        # block being updated
+    if state_block_numel is not None:
+        # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, and the block being updated
         disk = sum(-(-p.numel() * 4 // 4096) * 4096 for p in trainable) * per
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
         state = min(state, block * 4 * per + READ_AHEAD_BYTES)
