@@ -9,7 +9,9 @@ sequence boundaries every S tokens, so the dense and packed cases share one code
         o = sum_j softmax(s)_j v_j;  lse = m + log(l)   (kept for backward)
     backward: delta = rowsum(dO * O);  p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p (dp - delta)
               dq = ds k * scale (per query block);  dk = ds^T q * scale (per key block, summed over the group's
-              query heads in one program, so GQA needs no atomics)
+              query heads in one program, so GQA needs no atomics; when that gives too few programs to fill the
+              GPU, one program per query head writes fp32 partial sums that are added up afterwards, as
+              FlashAttention-2 does for GQA)
 
 Masks: key j is visible to query i (positions within one sequence) iff j < len, and with ``causal`` j <= i, and
 with ``window`` W also i - W < j (Hugging Face's sliding-window convention). Nothing crosses sequences.
@@ -224,18 +226,21 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, of
     return dk, dv
 
 
-@triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     qk_scale, sm_scale, window,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # one program per (key block, sequence, kv head); loops over the group's query heads and query blocks
-    seq, kv_head = tl.program_id(1), tl.program_id(2)
+    # one program per (key block, sequence, program head); loops over HEADS query heads and the query blocks.
+    # HEADS == GROUP: a program head is a kv head, and its dK/dV is complete. HEADS == 1: a program head is a query
+    # head (more programs when there are few key blocks), and DK/DV receive its partial sums, one per query head.
+    seq, pid_h = tl.program_id(1), tl.program_id(2)
+    kv_head = pid_h * HEADS // GROUP
     start, seqlen = _bounds(cu_seqlens, seq)
     n_start = tl.program_id(0) * BLOCK_N
     if n_start >= seqlen:
@@ -248,8 +253,8 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     lo, full_lo, full_hi, hi = _query_ranges(n_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
+    for g in range(HEADS):
+        head = pid_h * HEADS + g
         # masked blocks (diagonal), unmasked blocks, masked blocks (window edge)
         for m_start in range(lo, full_lo, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
@@ -263,9 +268,9 @@ def _bwd_dkdv_kernel(
             dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
                                 window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, True,
                                 CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
-    tl.store(DK + (start + offs_n)[:, None] * stride_dkt + kv_head * stride_dkh + offs_d[None, :],
+    tl.store(DK + (start + offs_n)[:, None] * stride_dkt + pid_h * stride_dkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
-    tl.store(DV + (start + offs_n)[:, None] * stride_dvt + kv_head * stride_dvh + offs_d[None, :],
+    tl.store(DV + (start + offs_n)[:, None] * stride_dvt + pid_h * stride_dvh + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
 
 
@@ -369,19 +374,38 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOpt
     _delta_kernel[(triton.cdiv(t, block), hq)](
         o, do, delta, t, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0), HEAD_DIM=d, BLOCK=block
     )  # fmt: skip
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    common = dict(GROUP=hq // hkv, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d)
+    group = hq // hkv
+    dq = torch.empty_like(q)
+    programs = triton.cdiv(opts.max_seqlen, 128) * (cu_seqlens.numel() - 1) * hkv
+    split = group > 1 and programs < _split_below(q.device) and 2 * t * hq * d * 4 <= _SPLIT_MAX_BYTES
+    if split:  # fp32 partial sums per query head, summed over each group below
+        dk, dv = (torch.empty(t, hq, d, dtype=torch.float32, device=q.device) for _ in range(2))
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    common = dict(GROUP=group, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                do.stride(1), lse.stride(0))  # fmt: skip
     scales = (opts.softmax_scale * _LOG2E, opts.softmax_scale, opts.window or 0)
-    _bwd_dkdv_kernel[_grid(opts.max_seqlen, cu_seqlens, hkv, "BLOCK_N")](
+    _bwd_dkdv_kernel[_grid(opts.max_seqlen, cu_seqlens, hq if split else hkv, "BLOCK_N")](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), *scales, **common,
+        dv.stride(1), *scales, HEADS=1 if split else group, **common,
     )  # fmt: skip
+    if split:
+        dk, dv = (x.view(t, hkv, group, d).sum(2).to(k.dtype) for x in (dk, dv))
     _bwd_dq_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M")](
         q, k, v, do, lse, delta, dq, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scales, **common
     )
     return dq, dk, dv
+
+
+_SPLIT_MAX_BYTES = 1 << 28  # the partial sums of dK/dV by query head, at most
+
+
+def _split_below(device: torch.device) -> int:
+    """dK/dV take one program per query head (not per kv head) when there would be fewer programs than this: four
+    per multiprocessor of the GPU (with few key blocks, whole-group programs leave multiprocessors idle); never off
+    CUDA."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
 def _forward_torch(q, k, v, cu_seqlens, opts: AttentionOptions):
