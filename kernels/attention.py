@@ -146,12 +146,12 @@ def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "seq_bucket"])
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Out, LSE, cu_seqlens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
-    qk_scale, window,
+    qk_scale, window, seq_bucket,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -226,13 +226,13 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, of
     return dk, dv
 
 
-@triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS"])
+@triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS", "seq_bucket"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    qk_scale, sm_scale, window,
+    qk_scale, sm_scale, window, seq_bucket,
     GROUP: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -292,13 +292,13 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, strid
     return dq + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP"])
+@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "seq_bucket"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
     stride_dqt, stride_dqh,
-    qk_scale, sm_scale, window,
+    qk_scale, sm_scale, window, seq_bucket,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -357,7 +357,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     _fwd_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M")](
         q, k, v, o, lse, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        lse.stride(0), opts.softmax_scale * _LOG2E, opts.window or 0,
+        lse.stride(0), opts.softmax_scale * _LOG2E, opts.window or 0, _seq_bucket(opts.max_seqlen),
         GROUP=hq // k.shape[1], CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d,
     )  # fmt: skip
     return o, lse
@@ -385,7 +385,7 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOpt
     common = dict(GROUP=group, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                do.stride(1), lse.stride(0))  # fmt: skip
-    scales = (opts.softmax_scale * _LOG2E, opts.softmax_scale, opts.window or 0)
+    scales = (opts.softmax_scale * _LOG2E, opts.softmax_scale, opts.window or 0, _seq_bucket(opts.max_seqlen))
     _bwd_dkdv_kernel[_grid(opts.max_seqlen, cu_seqlens, hq if split else hkv, "BLOCK_N")](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), *scales, HEADS=1 if split else group, **common,
@@ -396,6 +396,11 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOpt
         q, k, v, do, lse, delta, dq, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scales, **common
     )
     return dq, dk, dv
+
+
+def _seq_bucket(max_seqlen: int) -> int:
+    # autotuning key: the longest sequence to the next power of two, so short packed documents pick their own tiles
+    return 1 << max(0, min(16, (max_seqlen - 1).bit_length()))
 
 
 _SPLIT_MAX_BYTES = 1 << 28  # the partial sums of dK/dV by query head, at most
