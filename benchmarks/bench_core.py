@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import os
 import statistics
 import time
@@ -97,7 +98,17 @@ def batches(n: int, batch: int, seq: int, vocab: int = 128256):
 # ---- (a) SlideFormer ---------------------------------------------------------------------------------------------
 
 
-def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, warmup: int, cap_gib: float, threads):
+def run_slideformer(
+    module,
+    schedule: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    cap_gib: float,
+    threads,
+    trace_dir: str | None = None,
+):
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -105,7 +116,8 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
 
     cap_gpu(cap_gib)
     times, timeline, profiled = [], [], []
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace_dir else [])
+    profiler = torch.profiler.profile(activities=activities)
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -117,6 +129,12 @@ def run_slideformer(module, schedule: str, batch: int, seq: int, steps: int, war
             if batch_idx == warmup + steps:
                 profiler.stop()
                 profiled.append(gpu_time_by_kind(profiler))
+                if trace_dir:
+                    path = os.path.join(trace_dir, f"a_{schedule}_{batch.numel()}.json")
+                    profiler.export_chrome_trace(path)
+                    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
+                        z.write(f.read())
+                    os.remove(path)
                 return
             engine = trainer.strategy.engine
             times.append(time.perf_counter())
@@ -162,9 +180,21 @@ def gpu_time_by_kind(profiler) -> str:
             kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "kernels"
             totals[kind] += e.time_range.elapsed_us() / 1e6
         span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e6
-        return " ".join(f"gpu_{k}={v:.3f}s" for k, v in totals.items()) + f" gpu_span={span:.3f}s"
+        busy = _union_s([(e.time_range.start, e.time_range.end) for e in events if not ("HtoD" in e.name or
+                                                                                     "DtoH" in e.name)])  # fmt: skip
+        return (" ".join(f"gpu_{k}={v:.3f}s" for k, v in totals.items()) + f" gpu_span={span:.3f}s"
+                f" gpu_computing={busy:.3f}s")  # fmt: skip
     except Exception as err:  # the figures above stand without it
         return f"profile failed: {type(err).__name__}: {err}"
+
+
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of (start, end) intervals in microseconds: when the GPU computed at all."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        total += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return total / 1e6
 
 
 class BenchLM:
@@ -283,6 +313,7 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=None, help="(a): threads of the CPU optimizer")
     parser.add_argument("--main-threads", type=int, default=None, help="(a): torch threads of the training thread")
     parser.add_argument("--out", default="benchmarks/results/core.csv")
+    parser.add_argument("--trace-dir", default=None, help="(a): write the profiled step's Chrome trace (gzipped) here")
     args = parser.parse_args()
 
     import lightning
@@ -324,7 +355,7 @@ def main() -> None:
         for tokens in token_counts:
             for schedule in args.schedules.split(","):
                 record("a_slideformer", schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
-                       args.gpu_cap_gib, args.cpu_threads)  # fmt: skip
+                       args.gpu_cap_gib, args.cpu_threads, args.trace_dir)  # fmt: skip
         del module
         torch.set_num_threads(default_threads)
     for tokens in token_counts:
