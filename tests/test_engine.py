@@ -276,3 +276,14 @@ def test_tiled_mlps_give_the_same_training(monkeypatch, precision):
     else:
         plain16, _ = fit(module, "auto", precision="bf16-mixed")
         assert 0 < global_error(ours, ref) <= 2 * global_error(plain16, ref)
+
+
+def test_embedding_rows_move_through_two_small_staging_buffers(monkeypatch):
+    import lightning_slide.engine.engine as engine_module
+
+    module = CausalLM(tiny_config("llama", tied=True))
+    ref, _ = fit(module, "auto")
+    monkeypatch.setattr(engine_module, "_ROWS_STAGE_NUMEL", 3 * module.model.config.hidden_size)  # 3 rows each
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2))
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"

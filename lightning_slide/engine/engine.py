@@ -52,6 +52,7 @@ Schedule = Literal["backward", "forward"]
 # KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _NVME_LANDING_BUFFERS = 16
+_ROWS_STAGE_NUMEL = 1 << 23  # fp32 elements per staging buffer of embedding rows (two of them)
 
 
 @dataclass
@@ -319,8 +320,7 @@ class SlideEngine:
         self._ring = [DeviceBuffer(ring_sizes, self.device) for _ in range(self.num_slots)]
         self._own = {u: DeviceBuffer(u.numel, self.device) for u in [self.head, *self.leftovers] if u is not None}
         self._block_index = {u: i for i, u in enumerate(self.blocks)}
-        self._rows_host: Tensor | None = None
-        self._rows_event = None
+        self._rows_stage: list[tuple[Tensor, object] | None] = [None, None]  # pinned buffers for embedding rows
         self._patch()
 
     def _pin_masters(self) -> None:
@@ -471,16 +471,23 @@ class SlideEngine:
                 f" range for the embedding '{unit.name}' with {weight.shape[0]} rows."
             )
         self._wait_updates(unit)
-        numel = index_host.numel() * weight.shape[1]
-        if self._rows_host is None or self._rows_host.numel() < numel:
-            self._rows_host = self.transfer.host_empty(numel)
-        elif self._rows_event is not None:
-            self._rows_event.synchronize()  # the previous rows have left the buffer
-        rows_host = self._rows_host[:numel].view(-1, weight.shape[1])
-        torch.index_select(weight.data, 0, index_host, out=rows_host)
-        rows = torch.empty(rows_host.shape, dtype=torch.float32, device=self.device)
-        self._rows_event = self.transfer.upload([(rows_host, rows)], after=self.transfer.record())
-        self.transfer.wait(self._rows_event)
+        width = weight.shape[1]
+        rows = torch.empty(index_host.numel(), width, dtype=torch.float32, device=self.device)
+        per = max(1, min(_ROWS_STAGE_NUMEL // width, weight.shape[0]))  # rows per staging buffer
+        allocated = self.transfer.record()  # `rows` may reuse memory still read on the compute stream
+        event = None
+        for k, lo in enumerate(range(0, index_host.numel(), per)):
+            # two pinned staging buffers in turn: gathering the next rows overlaps sending the last ones
+            if self._rows_stage[k % 2] is None:
+                self._rows_stage[k % 2] = (self.transfer.host_empty(per * width), None)
+            buffer, sent = self._rows_stage[k % 2]
+            if sent is not None:
+                sent.synchronize()  # its previous rows have left
+            part = buffer[: min(per, index_host.numel() - lo) * width].view(-1, width)
+            torch.index_select(weight.data, 0, index_host[lo : lo + len(part)], out=part)
+            event = self.transfer.upload([(part, rows[lo : lo + len(part)])], after=allocated)
+            self._rows_stage[k % 2] = (buffer, event)
+        self.transfer.wait(event)
         return index, inverse.view(ids.shape), rows
 
     def head_loss(self, hidden: Tensor, target: Tensor, loss_fn, **kwargs) -> Tensor:
