@@ -147,7 +147,8 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
 # and backward (the MLP's bf16 intermediates, ~3.5x the hidden width each, attention's q/k/v/o, the norms, their
 # gradients), its input and the next one's fetched ahead, and the gradient flowing in. From the H200 run of the
 # Llama-3.1-8B shape at 32k tokens with every input offloaded: 13.9 GiB peak = ~9.5 GiB of these (19 inputs of
-# 0.5 GiB) + the window, the head and the gradients queued to leave.
+# 0.5 GiB) + the window, the head and the gradients queued to leave. With the first 13 offloaded (as this estimate
+# and the margin chose), the same run peaked at 21.6 GiB allocated, 22.9 GiB reserved, of its 24 GiB cap.
 WORKING_INPUTS = 19
 _DEVICE_MARGIN = 0.95  # of the budget: the allocator's rounding and fragmentation
 
