@@ -68,7 +68,7 @@ def rows_per_block(param: Tensor, chunk_numel: int) -> int:
     """Rows of ``param`` in one block: as many as fit ``chunk_numel`` elements in whole pages (at least
     :func:`min_block_numel`'s rows), or all of them."""
     unit = _rows_per_page_unit(param)
-    return min(_rows(param), unit * max(1, chunk_numel // row_numel(param) // unit))
+    return max(1, min(_rows(param), unit * max(1, chunk_numel // row_numel(param) // unit)))
 
 
 @dataclass
