@@ -2,9 +2,10 @@
 in RAM. Each parameter's state is split into row blocks (at most one transfer chunk of the parameter, whole pages
 each), so that a large parameter (a 128k-row embedding) never has its whole state in RAM. A block's state is read
 into pooled, page-aligned buffers ahead of its update (as soon as its gradients are on their way, up to
-``max_ahead_bytes`` of state in RAM) and written behind it. A few threads do the I/O, several blocks at once (one
-thread reaching the disk one request at a time, checksumming in between, got 1.1 GB/s of the 2.5-3 GB/s dd gets on
-the H200 machine); a block's read waits for the write of that block submitted before it.
+``max_ahead_bytes`` of state in RAM) and written behind it (the blocks waiting to be written hold about as much
+again: the reads queued behind their writes gate the next updates). A few threads do the I/O, several blocks at
+once (one thread reaching the disk one request at a time, checksumming in between, got 1.1 GB/s of the 2.5-3 GB/s
+dd gets on the H200 machine); a block's read waits for the write of that block submitted before it.
 
 Files sit in a private directory (0700) made under ``nvme_path``, are private (0600), opened with ``O_DIRECT``
 where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per block that is checked

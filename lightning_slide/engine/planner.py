@@ -76,10 +76,11 @@ def plan_host(
     state = trainable_bytes * per
     disk = 0
     if state_block_numel is not None:
-        # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, and the block being updated
+        # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, as much again waiting to be written (the
+        # reads queued behind those writes gate the next updates), and the block being updated
         disk = sum(-(-p.numel() * 4 // 4096) * 4096 for p in trainable) * per
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
-        state = min(state, block * 4 * per + READ_AHEAD_BYTES)
+        state = min(state, block * 4 * per + 2 * READ_AHEAD_BYTES)
     retained = trainable_bytes if retain_grads and optimizer is not None else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     locked = masters + retained + landing_bytes if pinned else 0
