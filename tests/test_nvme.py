@@ -251,8 +251,14 @@ def test_read_ahead_is_bounded_and_reads_see_earlier_writes(tmp_path):
     store.save(a, 0)  # behind: queued for an I/O thread
     store.prefetch([a, b])  # only a fits in 3 pages
     assert list(store._ahead) == [(a, 0)]
-    assert store.load(a, 0)["exp_avg"].eq(1.0).all()  # the read-ahead waited for the write
+    moments = store.load(a, 0)
+    assert moments["exp_avg"].eq(1.0).all()  # the read-ahead waited for the write
     assert list(store._ahead) == [(b, 0)]  # room again: the next block is on its way
+    store.prefetch([a])  # a is being updated: reading it ahead now could run before its write
+    assert (a, 0) not in store._ahead
+    moments["exp_avg"].fill_(3.0)
+    store.save(a, 0)
+    assert store.load(a, 0)["exp_avg"].eq(3.0).all()
     store.save(a, 0)
     store.close()
 

@@ -25,7 +25,6 @@ import shutil
 import tempfile
 import threading
 import zlib
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -118,12 +117,12 @@ class NvmeStateStore:
         self.regions: dict[nn.Parameter, dict[str, _Region]] = {}
         self.rows: dict[nn.Parameter, int] = {}  # rows per block
         self._free: dict[int, list[Tensor]] = {}  # pooled page-aligned buffers by size
-        self._loaned: dict[tuple[nn.Parameter, int], dict[str, Tensor]] = {}
+        self._loaned: dict[tuple[nn.Parameter, int], dict[str, Tensor] | None] = {}  # None: its read is awaited
         self._names: dict[nn.Parameter, str] = {}
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="slide-nvme")
         self._writes: dict[tuple[nn.Parameter, int], Future] = {}  # the last write of each block
         self._ahead: dict[tuple[nn.Parameter, int], Future] = {}
-        self._wanted: deque[tuple[nn.Parameter, int]] = deque()  # blocks to read ahead when there is room
+        self._wanted: dict[tuple[nn.Parameter, int], None] = {}  # blocks to read ahead when there is room, in order
         self._ahead_bytes = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None  # a failed write-behind, raised at the next load or flush
@@ -182,20 +181,21 @@ class NvmeStateStore:
         with self._lock:
             for p in params:
                 if p in self.regions:
-                    self._wanted.extend((p, b) for b in range(len(self.regions[p][self.keys[0]].crcs)))
+                    self._wanted.update(dict.fromkeys((p, b) for b in range(len(self.regions[p][self.keys[0]].crcs))))
         self._refill()
 
     def _refill(self) -> None:
+        # NOTE: a block being updated (loaned) is not read ahead: that read could run before the block's write
         with self._lock:
             while self._wanted:
-                block = self._wanted[0]
+                block = next(iter(self._wanted))
                 nbytes = self._block_bytes(*block)
                 if block not in self._ahead and block not in self._loaned:
                     if self._ahead and self._ahead_bytes + nbytes > self.max_ahead_bytes:
                         return
                     self._ahead_bytes += nbytes
                     self._ahead[block] = self._io.submit(self._read_block, *block)
-                self._wanted.popleft()
+                del self._wanted[block]
 
     def load(self, param: nn.Parameter, block: int) -> dict[str, Tensor]:
         """The state of one block of ``param`` (its rows) in pooled buffers (read ahead, or now), CRC-checked."""
@@ -205,9 +205,11 @@ class NvmeStateStore:
             future = self._ahead.pop(key, None)
             if future is not None:
                 self._ahead_bytes -= self._block_bytes(param, block)
-        buffers = (future or self._io.submit(self._read_block, param, block)).result()
+            else:
+                future = self._io.submit(self._read_block, param, block)
+            self._loaned[key] = None  # from here to its write, no other read of it
+        buffers = self._loaned[key] = future.result()
         self._refill()
-        self._loaned[key] = buffers
         rows = self.blocks(param, None)[block][0]
         shape = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
         return {k: buffers[k][: math.prod(shape) * 4].view(torch.float32).view(shape) for k in buffers}
@@ -215,7 +217,8 @@ class NvmeStateStore:
     def save(self, param: nn.Parameter, block: int) -> None:
         """Write back the block's state (updated in the buffers :meth:`load` gave), behind the caller."""
         key = (param, block)
-        self._writes[key] = self._io.submit(self._write_block, param, block, self._loaned.pop(key))
+        with self._lock:  # the write is known before the block may be read ahead again
+            self._writes[key] = self._io.submit(self._write_block, param, block, self._loaned.pop(key))
 
     def flush(self) -> None:
         """Wait for every write submitted so far (and raise a failed one)."""
