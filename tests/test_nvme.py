@@ -254,6 +254,8 @@ def test_read_ahead_is_bounded_and_reads_see_earlier_writes(tmp_path):
     moments = store.load(a, 0)
     assert moments["exp_avg"].eq(1.0).all()  # the read-ahead waited for the write
     assert list(store._ahead) == [(b, 0)]  # room again: the next block is on its way
+    store.load(b, 0)
+    store.save(b, 0)
     store.prefetch([a])  # a is being updated: reading it ahead now could run before its write
     assert (a, 0) not in store._ahead
     moments["exp_avg"].fill_(3.0)
