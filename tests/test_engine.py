@@ -287,3 +287,24 @@ def test_embedding_rows_move_through_two_small_staging_buffers(monkeypatch):
     ours, _ = fit(module, SlideFormerStrategy(num_slots=2))
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_offloading_runs_keep_fewer_landing_buffers(monkeypatch):
+    import lightning_slide.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)  # every input leaves the GPU
+    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)
+    monkeypatch.setattr(engine_module, "_OFFLOAD_LANDING_BUFFERS", 1)
+    kept = []
+
+    class Look(L.Callback):
+        def on_train_end(self, trainer, module):
+            engine = trainer.strategy.engine
+            kept.append((engine.transfer._landing.qsize(), engine.host_plan().landing))
+
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, "auto")
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[Look()])
+    assert kept == [(1, 4 * (1 << 23))]  # one buffer left, and the plan says so
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"

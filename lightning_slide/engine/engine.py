@@ -52,6 +52,7 @@ Schedule = Literal["backward", "forward"]
 # KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _NVME_LANDING_BUFFERS = 16
+_OFFLOAD_LANDING_BUFFERS = 16  # see _plan_activations
 _ROWS_STAGE_NUMEL = 1 << 23  # fp32 elements per staging buffer of embedding rows (two of them)
 
 
@@ -551,6 +552,11 @@ class SlideEngine:
                     self.offloading, blocks, saved * self.offloading / 2**30, blocks, saved * blocks / 2**30,
                     saved * WORKING_INPUTS / 2**30, budget / 2**30,
                 )  # fmt: skip
+        if self.offloading and self.optimizer is not None:
+            # Steps long enough to need offloading keep the GPU busy far longer than the CPU optimizer: gradients
+            # seldom wait for it, and the host memory is better left to the offloaded inputs.
+            self._landing_buffers = min(self._landing_buffers, _OFFLOAD_LANDING_BUFFERS)
+            self.transfer.drop_landing(self._landing_buffers)
         if self.offloading and saved * self.offloading > (available := available_host_bytes() - self._host_to_come()):
             raise MemoryError(
                 f"SlideFormer must keep the saved inputs of {self.offloading} blocks"

@@ -173,3 +173,11 @@ class Transfer:
 
     def give_landing(self, buffer: Tensor) -> None:
         self._landing.put(buffer)
+
+    def drop_landing(self, keep: int) -> None:
+        """Free all but ``keep`` of the landing buffers (call while none is in use)."""
+        while self._landing.qsize() > keep:
+            buffer = self._landing.get_nowait()
+            registered = next((i for i, r in enumerate(self._registered) if r.data_ptr() == buffer.data_ptr()), None)
+            if registered is not None:
+                _cuda_unregister(self._registered.pop(registered).data_ptr())
