@@ -70,7 +70,13 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
             marks.append((time.perf_counter(), *io_bytes()))
 
         def on_train_end(self, trainer, *args):
-            offloaded.append(trainer.strategy.engine.offloading)
+            engine = trainer.strategy.engine
+            pool = engine.activations._free.values() if engine.activations is not None else []
+            offloaded.append({
+                "activations_offloaded": engine.offloading, "mlp_tiled": engine.tiling,
+                "offload_pool_gib": sum(raw.numel() for buffers in pool for raw, _ in buffers) / GIB,
+                "landing_gib": engine.transfer._landing.qsize() * engine.transfer.chunk_numel * 4 / GIB,
+            })  # fmt: skip
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128256, (warmup + steps, batch, seq), generator=g)
@@ -87,7 +93,7 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
     step_s, read, written = sorted(steps_)[len(steps_) // 2]
     torch.cuda.set_per_process_memory_fraction(1.0)
     return {
-        "activations_offloaded": offloaded[0], "step_s": step_s, "tok_s": batch * seq / step_s,
+        **offloaded[0], "step_s": step_s, "tok_s": batch * seq / step_s,
         "first_step_s": marks[0][0] - start,
         "gpu_alloc_gib": torch.cuda.max_memory_allocated() / GIB,
         "gpu_reserved_gib": torch.cuda.max_memory_reserved() / GIB, "host_peak_gib": peak_rss() / GIB,
