@@ -56,14 +56,19 @@ def test_activation_offload_on_cuda_matches(clip):
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
-def test_activation_offload_with_busy_compute_stream_matches():
-    # the opposite regime: large activations and matmuls, so the compute stream runs far behind the host and
-    # freed activation memory is handed out again while kernels still read it (the fetch must wait for them)
-    config = tiny_config("llama", layers=6, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
+def _busy_run(layers: int):
+    # large activations and matmuls at 4 x 1024 tokens: the compute stream runs far behind the host
+    config = tiny_config("llama", layers=layers, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
                          num_key_value_heads=4, max_position_embeddings=1024)  # fmt: skip
     torch.manual_seed(0)
     module = CausalLM(config, optimizer="sgd", lr=0.05)
-    kwargs = dict(accelerator="gpu", data=token_data(8, seq=1024), batch_size=4, steps=2)
+    return module, dict(accelerator="gpu", data=token_data(8, seq=1024), batch_size=4, steps=2)
+
+
+def test_activation_offload_with_busy_compute_stream_matches():
+    # the opposite regime: large activations and matmuls, so the compute stream runs far behind the host and
+    # freed activation memory is handed out again while kernels still read it (the fetch must wait for them)
+    module, kwargs = _busy_run(layers=6)
     ref, _ = fit(module, "auto", **kwargs)
     ours, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=True), **kwargs)
     err, where = max_rel_error(ours, ref)
@@ -215,11 +220,7 @@ def test_tiled_mlps_on_cuda_match(monkeypatch, precision):
 
     monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)
     monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
-    config = tiny_config("llama", layers=4, hidden_size=1024, intermediate_size=4096, num_attention_heads=8,
-                         num_key_value_heads=4, max_position_embeddings=1024)  # fmt: skip
-    torch.manual_seed(0)
-    module = CausalLM(config, optimizer="sgd", lr=0.05)
-    kwargs = dict(accelerator="gpu", data=token_data(8, seq=1024), batch_size=4, steps=2)
+    module, kwargs = _busy_run(layers=4)
     ref, _ = fit(module, "auto", **kwargs)
     ours, _ = fit(module, SlideFormerStrategy(num_slots=2), precision=precision, **kwargs)
     if precision == "32-true":
