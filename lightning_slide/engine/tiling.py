@@ -12,11 +12,11 @@ values. Weight gradients are summed over the slices in fp32.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import Tensor, nn
 from torch.autograd import Function
+
+from .units import Unit, swapped
 
 TILES = 8
 
@@ -35,20 +35,20 @@ class TiledMLP:
     """Replaces ``mlp.forward``; computes tiled while ``active``, else as before."""
 
     def __init__(self, mlp: nn.Module, tiles: int = TILES) -> None:
-        self.mlp = mlp
+        self.unit = Unit("mlp", mlp, torch.float32)  # its parameter slots, and its own forward
         self.tiles = tiles
         self.active = False
-        self.original = mlp.forward
-        self.entries = [(sub, attr) for sub in mlp.modules() for attr, p in sub._parameters.items() if p is not None]
         mlp.forward = self
 
     def restore(self) -> None:
-        self.mlp.__dict__.pop("forward", None)
+        self.unit.module.__dict__.pop("forward", None)
 
     def __call__(self, x: Tensor) -> Tensor:
         if not self.active:
-            return self.original(x)
-        weights = [sub._parameters[attr] for sub, attr in self.entries]  # the device copies swapped in
+            return self.unit.forward(x)
+        weights = [None] * len(self.unit.params)  # the device copies swapped in
+        for sub, attr, i in self.unit.entries:
+            weights[i] = sub._parameters[attr]
         if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return _TiledFunction.apply(self, x, *weights)
         return self.run(x)
@@ -56,20 +56,8 @@ class TiledMLP:
     def run(self, x: Tensor) -> Tensor:
         """The MLP on each slice of the tokens of ``x``, joined."""
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.cat([self.original(piece) for piece in flat.tensor_split(self.tiles)])
+        out = torch.cat([self.unit.forward(piece) for piece in flat.tensor_split(self.tiles)])
         return out.view(*x.shape[:-1], out.shape[-1])
-
-    @contextmanager
-    def using(self, weights: list[Tensor]):
-        """Let the MLP compute with ``weights`` in place of its parameters."""
-        saved = [sub._parameters[attr] for sub, attr in self.entries]
-        for (sub, attr), w in zip(self.entries, weights):
-            sub._parameters[attr] = w
-        try:
-            yield
-        finally:
-            for (sub, attr), w in zip(self.entries, saved):
-                sub._parameters[attr] = w
 
 
 class _TiledFunction(Function):
@@ -95,8 +83,8 @@ class _TiledFunction(Function):
         for piece, grad_piece in zip(flat_x.tensor_split(tiled.tiles), flat_g.tensor_split(tiled.tiles)):
             piece = piece.detach().requires_grad_(want_x)
             leaves = [w.detach().requires_grad_(need) for w, need in zip(weights, want_w)]
-            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), tiled.using(leaves):
-                out = tiled.original(piece)
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled), swapped(tiled.unit, leaves):
+                out = tiled.unit.forward(piece)
             wanted = ([piece] if want_x else []) + [w for w in leaves if w.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_piece, allow_unused=True))
             if want_x:
