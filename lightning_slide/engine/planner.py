@@ -165,19 +165,24 @@ def device_budget(device: torch.device) -> int | None:
     return min(free + torch.cuda.memory_reserved(device) - allocated, cap - allocated)
 
 
+def _room_for_inputs(saved_bytes: int, budget: int, reserved_bytes: int) -> int:
+    # what ``budget`` leaves for kept inputs after one block at work and ``reserved_bytes``; negative: not even that
+    return int(budget * _DEVICE_MARGIN) - reserved_bytes - WORKING_INPUTS * saved_bytes
+
+
 def blocks_to_offload(saved_bytes: int, blocks: int, budget: int | None, reserved_bytes: int) -> int:
     """How many blocks must keep their saved inputs (``saved_bytes`` each) in host memory so that the others',
     one block at work and ``reserved_bytes`` (gradients queued to leave) fit ``budget``; 0 off CUDA."""
     if budget is None or saved_bytes == 0:
         return 0
-    room = int(budget * _DEVICE_MARGIN) - reserved_bytes - WORKING_INPUTS * saved_bytes
+    room = _room_for_inputs(saved_bytes, budget, reserved_bytes)
     return blocks - min(blocks, max(0, room // saved_bytes))
 
 
 def tiling_needed(saved_bytes: int, budget: int | None, reserved_bytes: int) -> bool:
     """Whether one block at work does not fit ``budget`` even with every saved input offloaded (its MLP must then
     run on slices of the tokens, ``tiling.py``)."""
-    return budget is not None and WORKING_INPUTS * saved_bytes + reserved_bytes > budget * _DEVICE_MARGIN
+    return budget is not None and _room_for_inputs(saved_bytes, budget, reserved_bytes) < 0
 
 
 def window_slots(three_slots_bytes: int, budget: int | None) -> int:
