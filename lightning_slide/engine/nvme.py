@@ -210,8 +210,8 @@ class NvmeStateStore:
             self._loaned[key] = None  # from here to its write, no other read of it
         buffers = self._loaned[key] = future.result()
         self._refill()
-        rows = self.blocks(param, None)[block][0]
-        shape = param.shape if rows is None else (rows.stop - rows.start, *param.shape[1:])
+        per = self.rows[param]
+        shape = param.shape if param.dim() == 0 else (min(per, param.shape[0] - block * per), *param.shape[1:])
         return {k: buffers[k][: math.prod(shape) * 4].view(torch.float32).view(shape) for k in buffers}
 
     def save(self, param: nn.Parameter, block: int) -> None:
