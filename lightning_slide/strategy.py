@@ -448,7 +448,7 @@ def _explain_oom(strategy: SlideFormerStrategy) -> Generator[None, None, None]:
             f"{err}\nSlideFormer ran out of GPU memory. Its window of {slots} block slots, the head and"
             f" staging take {window:.2f} GiB; the rest is activations. Lower the tokens per step (batch size or"
             f" sequence length, and use accumulate_grad_batches instead),{offload} or SlideFormerStrategy(num_slots=2)."
-            " Much memory 'reserved but unallocated' above: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            " If much memory is 'reserved but unallocated' above, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
             " before starting Python."
         ) from err
 
