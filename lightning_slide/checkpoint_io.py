@@ -66,16 +66,22 @@ class SlideCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None) -> dict:
         path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"Checkpoint {str(path)!r} not found.")
-        file = path / CHECKPOINT_FILE if path.is_dir() else path
-        checkpoint = torch.load(file, map_location="cpu", weights_only=weights_only is not False, mmap=True)
+        checkpoint = self.load_without_state_files(path, weights_only is not False)
         maps: dict[str, torch.Tensor] = {}
         for state in _param_states(checkpoint):
             for key, value in state.items():
                 if _is_reference(value):
                     state[key] = _resolve(value, path / STATE_DIR, maps)
         return checkpoint
+
+    @staticmethod
+    def load_without_state_files(path: str | Path, weights_only: bool = True) -> dict:
+        """The checkpoint, its NVMe state left as references (nothing of the state files is read): for weights."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint {str(path)!r} not found.")
+        file = path / CHECKPOINT_FILE if path.is_dir() else path
+        return torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
 
     @override
     def remove_checkpoint(self, path: str | Path) -> None:
