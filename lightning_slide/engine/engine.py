@@ -88,8 +88,9 @@ class SlideEngine:
         max_queued_grad_bytes: device memory that gradients waiting to be sent may hold before the backward
             pass waits.
         offload_activations: keep the blocks' saved inputs in pooled host memory between forward and backward
-            (long contexts; see ``activations.py``); ``"auto"``: on CUDA, when the first training forward finds
-            that keeping them all would not leave a block's working memory free on the GPU (``planner.py``).
+            (long contexts; see ``activations.py``); ``True``: every block's; ``"auto"``: on CUDA, those of as few
+            of the first blocks as let the rest and one block at work fit the GPU, decided at the first training
+            forward (``planner.py``). When one block at work alone would not fit, the MLPs run tiled (``tiling.py``).
         nvme_path: keep Adam's moments in files in a private directory made here (the NVMe tier, ``nvme.py``)
             instead of in RAM.
     """
@@ -552,18 +553,8 @@ class SlideEngine:
                     self.offloading, blocks, saved * self.offloading / 2**30, blocks, saved * blocks / 2**30,
                     saved * WORKING_INPUTS / 2**30, budget / 2**30,
                 )  # fmt: skip
-        if self.offloading and self.optimizer is not None:
-            # Steps long enough to need offloading keep the GPU busy far longer than the CPU optimizer: gradients
-            # seldom wait for it, and the host memory is better left to the offloaded inputs.
-            self._landing_buffers = min(self._landing_buffers, _OFFLOAD_LANDING_BUFFERS)
-            self.transfer.drop_landing(self._landing_buffers)
-        if self.offloading and saved * self.offloading > (available := available_host_bytes() - self._host_to_come()):
-            raise MemoryError(
-                f"SlideFormer must keep the saved inputs of {self.offloading} blocks"
-                f" ({saved * self.offloading / 2**30:.2f} GiB) in host memory for the GPU to hold the rest, but only"
-                f" {available / 2**30:.2f} GiB of RAM is available. Lower the tokens per step (batch size or sequence"
-                " length; accumulate_grad_batches keeps the tokens per optimizer step), or free RAM."
-            )
+        if self.offloading:
+            self._offload_to_host(saved)
         self.tiling = bool(self._tiled) and tiling_needed(saved, budget, reserved)
         for tiled in self._tiled:
             tiled.active = self.tiling
@@ -572,6 +563,20 @@ class SlideEngine:
                 "SlideFormer runs the blocks' MLPs on %d slices of the tokens: one block at work (~%.2f GiB) would not"
                 " fit the %.2f GiB left on the GPU.", TILES, saved * WORKING_INPUTS / 2**30, budget / 2**30,
             )  # fmt: skip
+
+    def _offload_to_host(self, saved: int) -> None:
+        # Steps long enough to need offloading keep the GPU busy far longer than the CPU optimizer: gradients
+        # seldom wait for it, and the host memory is better left to the offloaded inputs.
+        if self.optimizer is not None:
+            self._landing_buffers = min(self._landing_buffers, _OFFLOAD_LANDING_BUFFERS)
+            self.transfer.drop_landing(self._landing_buffers)
+        if saved * self.offloading > (available := available_host_bytes() - self._host_to_come()):
+            raise MemoryError(
+                f"SlideFormer must keep the saved inputs of {self.offloading} blocks"
+                f" ({saved * self.offloading / 2**30:.2f} GiB) in host memory for the GPU to hold the rest, but only"
+                f" {available / 2**30:.2f} GiB of RAM is available. Lower the tokens per step (batch size or sequence"
+                " length; accumulate_grad_batches keeps the tokens per optimizer step), or free RAM."
+            )
 
     def _host_to_come(self) -> int:
         # host bytes of the plan not allocated yet: the optimizer state and retained gradients appear at the first step
