@@ -1,10 +1,10 @@
 """NVMe I/O benchmark (any Linux machine): how fast the NVMe tier's way of moving optimizer state can go.
 
-The tier writes and reads whole regions (one parameter's moment tensor, tens to hundreds of MiB) with O_DIRECT
-from page-aligned buffers. Measured here on one file of --gib GiB under --dir, in regions of --region-mib MiB:
+The tier writes and reads row blocks of a parameter's moment tensors (up to 32 MiB each) with O_DIRECT from
+page-aligned buffers, on 4 I/O threads. Measured here on one file of --gib GiB under --dir, in regions of
+--region-mib MiB:
 
-  pwritev/preadv, N threads   os.pwritev/os.preadv with O_DIRECT, regions spread over N threads (the tier uses one
-                              I/O thread, N=1)
+  pwritev/preadv, N threads   os.pwritev/os.preadv with O_DIRECT, regions spread over N threads (the tier: N=4)
   caio linux-aio, depth D     the maintained asyncio binding of Linux AIO (pip install caio), D requests in
                               flight, with O_DIRECT and buffered; it takes and returns bytes objects (a copy each
                               way, and buffers O_DIRECT may refuse); skipped if not installed
