@@ -68,6 +68,7 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
         def on_train_batch_end(self, *args):
             torch.cuda.synchronize()
             marks.append((time.perf_counter(), *io_bytes()))
+            print(f"step {len(marks)} ended at {marks[-1][0] - start:.1f} s", flush=True)  # progress, if killed
 
         def on_train_end(self, trainer, *args):
             engine = trainer.strategy.engine
@@ -173,7 +174,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/memory.csv")
     parser.add_argument("--memory-history", action="store_true", help="record allocation stacks (for OOM reports)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)9.0f ms %(name)s: %(message)s")
     logging.getLogger("lightning_slide").setLevel(logging.INFO)  # the plan and the automatic choices
     if args.memory_history:
         torch.cuda.memory._record_memory_history(stacks="python", max_entries=1)

@@ -231,9 +231,12 @@ def test_tiled_mlps_on_cuda_match(monkeypatch, precision):
         assert global_error(ours, ref) <= 2 * global_error(plain16, ref)
 
 
-def test_nvme_on_cuda_trains_exactly_like_ram(tmp_path):
+def test_nvme_on_cuda_trains_like_ram(tmp_path):
+    # a tolerance: CUDA's embedding backward adds with atomics, so two runs of the same training differ in the last
+    # bits (the CPU tests check bitwise equality)
     module = CausalLM(tiny_config("llama", tied=True))
     ram, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu")
     disk, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path)),
                   accelerator="gpu")  # fmt: skip
-    assert all(torch.equal(disk[k], ram[k]) for k in ram)
+    err, where = max_rel_error(disk, ram)
+    assert err < 1e-5, f"{where}: {err:.2e}"
