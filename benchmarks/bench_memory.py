@@ -8,6 +8,8 @@ Cases (one per process, so each host peak is its own):
   8b-64k     the same model on one 64k-token sequence with activation offload (and, as the engine decides, tiled MLPs)
   3b-nvme    Llama-3.2-3B shape, full fine-tune, Adam state on NVMe under --nvme-path, 32k tokens/step; dd's
              O_DIRECT write and read bandwidth on the same disk, measured in the same run
+  3b-nvme-masters  the same, with the blocks' fp32 masters on NVMe too (nvme_masters=True): the blocks' weight
+             matrices are built in bf16 and live in RAM only as bf16
   32b-lora   Qwen2.5-32B shape, LoRA r=16 on the attention projections, the base built in bf16 (~62 GiB in RAM),
              8k tokens/step
 
@@ -70,13 +72,14 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
             marks.append((time.perf_counter(), *io_bytes()))
             print(f"step {len(marks)} ended at {marks[-1][0] - start:.1f} s", flush=True)  # progress, if killed
 
-        def on_train_end(self, trainer, *args):
+        def on_train_end(self, trainer, *args):  # before the strategy's teardown
             engine = trainer.strategy.engine
             pool = engine.activations._free.values() if engine.activations is not None else []
             offloaded.append({
                 "activations_offloaded": engine.offloading, "mlp_tiled": engine.tiling,
                 "offload_pool_gib": sum(raw.numel() for buffers in pool for raw, _ in buffers) / GIB,
                 "landing_gib": engine.transfer._landing.qsize() * engine.transfer.chunk_numel * 4 / GIB,
+                "host_train_peak_gib": peak_rss() / GIB,  # host_peak_gib also spans the teardown
             })  # fmt: skip
 
     g = torch.Generator().manual_seed(0)
@@ -165,7 +168,7 @@ def dd_bandwidth(directory: str, gib: int = 4) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=["8b", "8b-64k", "3b-nvme", "32b-lora"], required=True)
+    parser.add_argument("--case", choices=["8b", "8b-64k", "3b-nvme", "3b-nvme-masters", "32b-lora"], required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
@@ -220,9 +223,11 @@ def main() -> None:
     else:
         os.makedirs(args.nvme_path, exist_ok=True)
         reference = dd_bandwidth(args.nvme_path)
-        module = CausalLMModule(config=LLAMA_3B, lr=1e-5)
-        strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=args.nvme_path)  # activations: "auto"
-        record("llama3.2-3b full, Adam state on NVMe", 8, 4096, module, strategy, note=reference)
+        masters = args.case == "3b-nvme-masters"
+        module = CausalLMModule(config=dict(LLAMA_3B, dtype="bfloat16") if masters else LLAMA_3B, lr=1e-5)
+        strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=args.nvme_path, nvme_masters=masters)
+        name = f"llama3.2-3b full, Adam state{' and block masters' if masters else ''} on NVMe"
+        record(name, 8, 4096, module, strategy, note=reference)  # activations: "auto"
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 without unpickling code or a second in-memory copy.
 
 With the optimizer state on NVMe, a checkpoint is a directory: ``checkpoint.pt`` (weights, hyperparameters, loop
-state, and for each moment that lives in a file a reference to where it lies there) and ``state/``, copies of the
-state files made by the kernel (``shutil.copyfile``: no pass through this process's memory). Loading maps the
-copies and checks each chunk's CRC before the state goes back into the live files.
+state, and for each moment or master that lives in a file a reference to where it lies there) and ``state/``,
+copies of the state files made by the kernel (``shutil.copyfile``: no pass through this process's memory). Loading
+maps the copies and checks each chunk's CRC before the state goes back into the live files.
 """
 
 from __future__ import annotations
@@ -65,27 +65,31 @@ class SlideCheckpointIO(TorchCheckpointIO):
 
     @override
     def load_checkpoint(self, path: str | Path, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        path = Path(path)
-        checkpoint = self.load_without_state_files(path, weights_only is not False)
-        maps: dict[str, torch.Tensor] = {}
-        for state in _param_states(checkpoint):
-            for key, value in state.items():
-                if _is_reference(value):
-                    state[key] = _resolve(value, path / STATE_DIR, maps)
-        return checkpoint
+        return _load(Path(path), weights_only is not False, optimizer_state=True)
 
     @staticmethod
-    def load_without_state_files(path: str | Path, weights_only: bool = True) -> dict:
-        """The checkpoint, its NVMe state left as references (nothing of the state files is read): for weights."""
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"Checkpoint {str(path)!r} not found.")
-        file = path / CHECKPOINT_FILE if path.is_dir() else path
-        return torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
+    def load_weights(path: str | Path) -> dict:
+        """The checkpoint with its weights (masters that lived on NVMe included), its optimizer state left as
+        references (never read): for export."""
+        return _load(Path(path), True, optimizer_state=False)
 
     @override
     def remove_checkpoint(self, path: str | Path) -> None:
         _remove(Path(path))
+
+
+def _load(path: Path, weights_only: bool, *, optimizer_state: bool) -> dict:
+    # mapped, not read; the references into the state files resolved to mapped, CRC-checked tensors
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint {str(path)!r} not found.")
+    file = path / CHECKPOINT_FILE if path.is_dir() else path
+    checkpoint = torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
+    maps: dict[str, torch.Tensor] = {}
+    for container in [checkpoint.get("state_dict", {})] + (_param_states(checkpoint) if optimizer_state else []):
+        for key, value in container.items():
+            if _is_reference(value):
+                container[key] = _resolve(value, path / STATE_DIR, maps)
+    return checkpoint
 
 
 def _save(checkpoint: dict, file: Path) -> None:
@@ -129,7 +133,8 @@ def _is_reference(value: Any) -> bool:
 
 
 def _references(checkpoint: dict) -> bool:
-    return any(_is_reference(v) for state in _param_states(checkpoint) for v in state.values())
+    containers = [checkpoint.get("state_dict", {}), *_param_states(checkpoint)]
+    return any(_is_reference(v) for container in containers for v in container.values())
 
 
 def _resolve(ref: dict, state_dir: Path, maps: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -140,7 +145,7 @@ def _resolve(ref: dict, state_dir: Path, maps: dict[str, torch.Tensor]) -> torch
         size = file.stat().st_size if file.is_file() else 0
         if size < start + nbytes:
             raise NvmeStateError(
-                f"Optimizer state file {file} of this checkpoint is missing or truncated ({size} bytes, needs"
+                f"State file {file} of this checkpoint is missing or truncated ({size} bytes, needs"
                 f" {start + nbytes}). Resume from another checkpoint."
             )
         maps[file.name] = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
@@ -149,7 +154,7 @@ def _resolve(ref: dict, state_dir: Path, maps: dict[str, torch.Tensor]) -> torch
     if any(crc is not None and zlib.crc32(raw[i * chunk : (i + 1) * chunk].numpy()) != crc
            for i, crc in enumerate(ref["crcs"])):  # fmt: skip
         raise NvmeStateError(
-            f"Optimizer state in {file} (bytes {start}..{start + nbytes}) of this checkpoint is corrupt (checksum"
+            f"State in {file} (bytes {start}..{start + nbytes}) of this checkpoint is corrupt (checksum"
             " mismatch). Resume from another checkpoint."
         )
     return raw.view(torch.float32).view(ref["shape"])

@@ -39,8 +39,8 @@ def export(args: list[str]) -> None:
     cli = LightningCLI(CausalLMModule, TextDataModule, run=False, args=config)
     module, data = cli.model, cli.datamodule
     module.configure_model()
-    # no arbitrary unpickling; mapped, not read: the optimizer state in it is never loaded
-    checkpoint = SlideCheckpointIO.load_without_state_files(opts.ckpt_path)
+    # no arbitrary unpickling; mapped, not read: the optimizer state in it is never loaded (masters on NVMe are)
+    checkpoint = SlideCheckpointIO.load_weights(opts.ckpt_path)
     module.load_state_dict(checkpoint["state_dict"])
     model = module.model
     if module.lora is not None and opts.merge_lora:

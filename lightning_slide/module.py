@@ -98,19 +98,22 @@ class CausalLMModule(L.LightningModule):
     def configure_model(self) -> None:
         """Build or load the model. With LoRA under bf16-mixed, a base stored in bf16 loads as bf16 (2 bytes per
         parameter, the values bf16 compute reads), with norms, the embedding and the adapters in fp32; so does a base
-        built from a config that says ``dtype: bfloat16``."""
+        built from a config that says ``dtype: bfloat16``. Likewise, for full fine-tuning with the masters on NVMe
+        (``SlideFormerStrategy(nvme_masters=True)``), the blocks' weight matrices load in bf16: their exact fp32
+        masters go to disk, and the rest is fp32."""
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM
 
         bf16_base = (
-            self.lora is not None
-            and self._trainer is not None
+            self._trainer is not None
             and self.trainer.precision == "bf16-mixed"
+            and (self.lora is not None or getattr(self.trainer.strategy, "nvme_masters", False))
             and _stored_dtype(self._architecture()) in (torch.bfloat16, torch.float16)  # bf16 loses nothing
         )
         # before any weight is made or loaded
-        _check_ram(self._meta_model(), f"Loading {self.source}" if self.source else "Building config=", bf16_base)
+        what = f"Loading {self.source}" if self.source else "Building config="
+        _check_ram(self._meta_model(), what, bf16_base, head_fp32=self.lora is None)
         dtype = torch.bfloat16 if bf16_base else torch.float32
         if self.source is not None:
             model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(self.source), dtype=dtype)
@@ -119,7 +122,7 @@ class CausalLMModule(L.LightningModule):
         if self.lora is not None:
             model = _with_lora(model, self.lora)
         if bf16_base:
-            _fp32_except_frozen_matrices(model)
+            _fp32_except_block_matrices(model, trainable=self.lora is None)
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
         if tokenizer is not None:
             check_vocab(len(tokenizer), model.get_input_embeddings().num_embeddings)
@@ -262,11 +265,11 @@ def _stored_dtype(config) -> torch.dtype | None:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _check_ram(model: nn.Module | None, what: str, bf16_base: bool) -> None:
+def _check_ram(model: nn.Module | None, what: str, bf16_base: bool, head_fp32: bool) -> None:
     if model is None:
         return
-    embedding = model.get_input_embeddings().weight
-    need = sum(p.numel() * (2 if bf16_base and p.dim() >= 2 and p is not embedding else 4) for p in model.parameters())
+    fp32 = {model.get_input_embeddings().weight} | ({model.get_output_embeddings().weight} if head_fp32 else set())
+    need = sum(p.numel() * (2 if bf16_base and p.dim() >= 2 and p not in fp32 else 4) for p in model.parameters())
     available = available_host_bytes()
     if need > available:
         raise MemoryError(
@@ -277,10 +280,14 @@ def _check_ram(model: nn.Module | None, what: str, bf16_base: bool) -> None:
         )
 
 
-def _fp32_except_frozen_matrices(model: nn.Module) -> None:
-    embedding = model.get_input_embeddings().weight
+def _fp32_except_block_matrices(model: nn.Module, *, trainable: bool) -> None:
+    # The blocks' weight matrices stay bf16: frozen (a LoRA base, whose frozen head stays bf16 too) or, if
+    # ``trainable``, with their fp32 masters on disk. Norms, the embedding, LoRA's adapters and a trained head: fp32.
+    fp32 = {model.get_input_embeddings().weight}
+    if trainable:
+        fp32.add(model.get_output_embeddings().weight)
     for p in model.parameters():
-        if p.dtype != torch.float32 and (p.requires_grad or p.dim() < 2 or p is embedding):
+        if p.dtype != torch.float32 and ((p.requires_grad and not trainable) or p.dim() < 2 or p in fp32):
             p.data = p.data.float()
 
 

@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -79,6 +79,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             (decided from the host plan before anything is pinned, logged).
         nvme_path: an existing, writable directory on a fast disk for the NVMe tier; ``None``: the
             ``SLIDE_NVME_PATH`` environment variable.
+        nvme_masters: with ``optimizer_offload="nvme"`` under bf16-mixed, keep the fp32 masters of the blocks'
+            weight matrices on disk too, beside their Adam state; RAM then holds their bf16 copies (2 bytes per
+            parameter instead of 4), refreshed by each update. Checkpoints hold the fp32 masters; when training
+            ends they come back into the parameters if RAM allows (else a warning says the parameters keep the bf16
+            copies). A model loaded in bf16 gets exact fp32 masters of its values.
         attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
             (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
             ``"slide"`` requires it, ``None`` keeps the model's own. Restored when training ends.
@@ -97,6 +102,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         offload_activations: bool | Literal["auto"] = "auto",
         optimizer_offload: Literal["auto", "cpu", "nvme"] = "auto",
         nvme_path: str | None = None,
+        nvme_masters: bool = False,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
         attention: Literal["auto", "slide"] | None = "auto",
@@ -118,6 +124,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             raise ValueError(f"offload_activations must be True, False or 'auto'; got {offload_activations!r}.")
         if optimizer_offload not in ("auto", "cpu", "nvme"):
             raise ValueError(f"optimizer_offload must be 'auto', 'cpu' or 'nvme'; got {optimizer_offload!r}.")
+        if nvme_masters and optimizer_offload != "nvme":
+            raise ValueError(
+                "nvme_masters=True keeps the masters beside Adam's state on disk: set optimizer_offload='nvme' (and"
+                f" nvme_path); got optimizer_offload={optimizer_offload!r}."
+            )
         nvme_path = nvme_path or os.environ.get("SLIDE_NVME_PATH")
         if optimizer_offload == "nvme" or (optimizer_offload == "auto" and nvme_path):
             nvme_path = _check_nvme_path(nvme_path)
@@ -135,6 +146,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.offload_activations = offload_activations
         self.optimizer_offload = optimizer_offload
         self.nvme_path = nvme_path if optimizer_offload != "cpu" else None
+        self.nvme_masters = nvme_masters
+        self._loaded_masters: dict[str, torch.Tensor] = {}  # fp32 masters from a checkpoint, until setup
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
@@ -236,6 +249,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
                 offload_activations=self.offload_activations,
                 nvme_path=nvme_path,
+                nvme_masters=self.nvme_masters,
             )
 
         self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
@@ -266,7 +280,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
-        self.engine.setup()
+        params = dict(module.named_parameters())
+        self.engine.setup({params[name]: value for name, value in self._loaded_masters.items()})
+        self._loaded_masters = {}
         if self.install_loss and layout.causal_lm is not None:
             engine = self.engine
             self._restores.append(
@@ -368,7 +384,19 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._wait()
-        return super().lightning_module_state_dict()
+        state = super().lightning_module_state_dict()
+        return self.engine.with_offloaded_masters(state) if self.engine is not None else state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        # a parameter holding fewer bits than its checkpointed fp32 master (a model loaded in bf16): the engine
+        # puts the exact master on disk at setup (nvme_masters)
+        params = dict(self.lightning_module.named_parameters())
+        self._loaded_masters = {
+            name: value for name, value in checkpoint["state_dict"].items()
+            if name in params and value.dtype == torch.float32 and params[name].dtype != torch.float32
+        }  # fmt: skip
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
@@ -387,8 +415,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # Like the base class, minus its move of the state to the root device: the state lives on the CPU.
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(state)
+        with self.engine.masters_as_fp32() if self.engine is not None else nullcontext():
+            for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+                optimizer.load_state_dict(state)
         if self.engine is not None:
             self.engine.adopt_loaded_state()
 

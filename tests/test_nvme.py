@@ -144,7 +144,7 @@ def test_damaged_state_stops_training_naming_the_file(tmp_path, damage):
                         f.truncate(100)
 
     strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path))
-    with pytest.raises(NvmeStateError, match=r"Optimizer state in .*0001-.*\.bin .* is (corrupt|truncated)"):
+    with pytest.raises(NvmeStateError, match=r"State in .*0001-.*\.bin .* is (corrupt|truncated)"):
         fit(CausalLM(tiny_config("llama")), strategy, steps=4, callbacks=[Damage()])
 
 
@@ -304,3 +304,80 @@ def test_nvme_state_needs_the_directory_checkpoint_io(tmp_path):
     with pytest.raises(ValueError, match="SlideCheckpointIO"):
         fit(CausalLM(tiny_config("llama")), strategy, steps=1)
     assert list(tmp_path.iterdir()) == []  # refused before the state files were made
+
+
+def _masters_strategy(path) -> SlideFormerStrategy:
+    return SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(path), nvme_masters=True)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_nvme_masters_train_exactly_like_ram(tmp_path, clip):
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, module, *args):
+            engine = trainer.strategy.engine
+            engine.wait()
+            seen["copies"] = {p.dtype for p in engine.disk_masters}
+            seen["count"] = len(engine.disk_masters)
+            seen["planned"] = engine.host_plan().disk
+            seen["files"] = sum(os.path.getsize(p) for p in engine.optimizer.store.paths)
+
+    module = CausalLM(tiny_config("llama", tied=True))
+    kwargs = dict(precision="bf16-mixed", gradient_clip_val=clip)
+    ram, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    disk, trained = fit(module, _masters_strategy(tmp_path), callbacks=[Look()], **kwargs)
+    assert all(torch.equal(disk[k], ram[k]) for k in ram)
+    assert seen["copies"] == {torch.bfloat16}
+    assert seen["count"] == 4 * 7  # q k v o gate up down of 4 blocks
+    assert {p.dtype for p in trained.parameters()} == {torch.float32}  # the fp32 masters came back
+    assert seen["planned"] == seen["files"]  # moments and masters
+
+
+def _in_bf16(module):
+    # a copy of ``module`` whose block matrices are bf16 (a model loaded in bf16), and the fp32 module with the
+    # same values
+    exact = CausalLM(module.model.config)
+    exact.load_state_dict(module.state_dict())
+    for layer in exact.model.model.layers:
+        for p in layer.parameters():
+            if p.dim() >= 2:
+                p.data = p.data.to(torch.bfloat16).float()
+    loaded = CausalLM(module.model.config)
+    loaded.load_state_dict(exact.state_dict())
+    for layer in loaded.model.model.layers:
+        for p in layer.parameters():
+            if p.dim() >= 2:
+                p.data = p.data.to(torch.bfloat16)
+    return exact, loaded
+
+
+def test_a_model_loaded_in_bf16_gets_exact_fp32_masters_and_resumes_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    exact, loaded = _in_bf16(CausalLM(tiny_config("llama")))
+    (tmp_path / "nvme").mkdir()
+    ram, _ = fit(exact, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", steps=8)
+    disk, _ = fit(loaded, _masters_strategy(tmp_path / "nvme"), precision="bf16-mixed", steps=8)
+    assert all(torch.equal(disk[k], ram[k]) for k in ram)
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)
+    fit(loaded, _masters_strategy(tmp_path / "nvme"), precision="bf16-mixed", steps=4, enable_checkpointing=True,
+        callbacks=[saver])  # fmt: skip
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    raw = torch.load(path / "checkpoint.pt", weights_only=True, mmap=True)["state_dict"]
+    weights = SlideCheckpointIO.load_weights(path)["state_dict"]
+    name = "model.model.layers.0.mlp.up_proj.weight"
+    assert "nvme_state_file" in raw[name]  # not a second copy: a reference
+    assert weights[name].dtype == torch.float32
+    resumed, _ = fit(loaded, _masters_strategy(tmp_path / "nvme"), precision="bf16-mixed", steps=8,
+                     ckpt_path=str(path))  # fmt: skip
+    assert all(torch.equal(resumed[k], ram[k]) for k in ram)  # the bf16 model resumed from its fp32 masters
+
+
+def test_nvme_masters_need_the_nvme_tier_and_bf16(tmp_path):
+    with pytest.raises(ValueError, match="nvme_masters=True keeps the masters beside Adam's state on disk"):
+        SlideFormerStrategy(nvme_masters=True, nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="precision='bf16-mixed'"):
+        fit(CausalLM(tiny_config("llama")), _masters_strategy(tmp_path))  # 32-true
+    assert list(tmp_path.iterdir()) == []  # refused before a file was made

@@ -209,6 +209,30 @@ def test_lora_base_stored_in_bf16_loads_in_bf16_and_trains_within_the_bound(tmp_
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
 
 
+def test_full_fine_tuning_with_masters_on_nvme_loads_block_matrices_in_bf16(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)).bfloat16().save_pretrained(tmp_path / "model")
+    (tmp_path / "nvme").mkdir()
+    loaded = {}
+
+    class Look(L.Callback):
+        def on_fit_start(self, trainer, module):
+            model = module.causal_lm.model
+            loaded.update(block=model.layers[0].mlp.up_proj.weight.dtype, norm=model.norm.weight.dtype,
+                          embedding=model.embed_tokens.weight.dtype,
+                          head=module.causal_lm.lm_head.weight.dtype)  # fmt: skip
+
+    strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path / "nvme"),
+                                   nvme_masters=True)  # fmt: skip
+    disk, module, _ = train(strategy, model=str(tmp_path / "model"), precision="bf16-mixed", callbacks=[Look()])
+    ram, _, _ = train(SlideFormerStrategy(num_slots=2), model=str(tmp_path / "model"), precision="bf16-mixed")
+    assert loaded == dict(block=torch.bfloat16, norm=torch.float32, embedding=torch.float32, head=torch.float32)
+    assert all(torch.equal(disk[k], ram[k]) for k in ram)  # exact fp32 masters of the bf16 values: same training
+    assert {p.dtype for p in module.parameters()} == {torch.float32}  # back in the parameters after training
+
+
 def test_a_model_too_big_for_ram_is_refused_before_loading(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM
 

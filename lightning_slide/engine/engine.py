@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -30,7 +32,7 @@ from torch.optim import Optimizer
 from .activations import ActivationStash
 from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
-from .nvme import NvmeStateStore, min_block_numel, row_numel
+from .nvme import MASTER, NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
 from .planner import (
     WORKING_INPUTS,
@@ -93,6 +95,10 @@ class SlideEngine:
             forward (``planner.py``). When one block at work alone would not fit, the MLPs run tiled (``tiling.py``).
         nvme_path: keep Adam's moments in files in a private directory made here (the NVMe tier, ``nvme.py``)
             instead of in RAM.
+        nvme_masters: with ``nvme_path``, keep the fp32 masters of the blocks' trainable weight matrices there too;
+            those parameters then hold their compute-dtype copy (bf16: 2 bytes per parameter in RAM instead of 4),
+            which the updates refresh. Their fp32 values come back into the parameters when training ends, when
+            RAM allows (see :meth:`teardown`).
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class SlideEngine:
         max_queued_grad_bytes: int = 1 << 30,
         offload_activations: bool | Literal["auto"] = False,
         nvme_path: str | None = None,
+        nvme_masters: bool = False,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -147,6 +154,7 @@ class SlideEngine:
             )
         self.nvme_path = nvme_path if self.optimizer is not None else None
         self._check_optimizer_params()
+        self.disk_masters = self._disk_masters() if nvme_masters and self.nvme_path is not None else []
         self._chunk_numel = max(chunk_numel, *(row_numel(p) for u in self.units for p in u.params))
         if self.nvme_path is not None:  # a chunk holds at least one of the store's row blocks (whole pages)
             self._chunk_numel = max(self._chunk_numel, *(min_block_numel(p) for u in self.units for p in u.params))
@@ -204,6 +212,16 @@ class SlideEngine:
             for i, p in enumerate(unit.params):
                 unit.owner[i] = owner_of.setdefault(p, unit)
 
+    def _disk_masters(self) -> list[nn.Parameter]:
+        if self.compute_dtype == torch.float32:
+            raise ValueError(
+                "nvme_masters=True keeps the masters on disk and their bf16 copies in RAM; under 32-true the device"
+                " computes with fp32 weights, so nothing would be saved. Train with precision='bf16-mixed' or set"
+                " nvme_masters=False."
+            )
+        trainable = {p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.requires_grad}
+        return [p for u in self.blocks for p, o in zip(u.params, u.owner) if o is u and p.dim() >= 2 and p in trainable]
+
     def _check_optimizer_params(self) -> None:
         if self.optimizer is None:
             return
@@ -240,10 +258,34 @@ class SlideEngine:
                 state[i] = {**state[i], **store.reference(p)}
         return {**state_dict, "state": state}
 
+    def with_offloaded_masters(self, state_dict: dict) -> dict:
+        """The module's ``state_dict()`` with, for each master on disk, a reference to where it lies there in place of
+        its compute-dtype copy."""
+        if not self.disk_masters:
+            return state_dict
+        store = self.optimizer.store
+        store.flush()
+        on_disk = set(self.disk_masters)
+        names = {name: p for name, p in self.model.named_parameters() if p in on_disk}  # the state_dict's keys
+        return {k: store.reference(names[k], (MASTER,))[MASTER] if k in names else v for k, v in state_dict.items()}
+
     def state_files(self) -> list[str]:
         """The files the optimizer state lives in (the NVMe tier), synced; none without it."""
         store = self.optimizer.store if self.optimizer is not None else None
         return store.synced_paths() if store is not None else []
+
+    @contextmanager
+    def masters_as_fp32(self) -> Iterator[None]:
+        """Within, the parameters whose masters are on disk look fp32 (without memory): ``Optimizer.load_state_dict``
+        casts the state it loads to its parameter's dtype, which would round Adam's moments to bf16."""
+        copies = [p.data for p in self.disk_masters]
+        for p in self.disk_masters:
+            p.data = torch.zeros((), dtype=torch.float32).expand(p.shape)
+        try:
+            yield
+        finally:
+            for p, copy in zip(self.disk_masters, copies):
+                p.data = copy
 
     def adopt_loaded_state(self) -> None:
         """After ``optimizer.load_state_dict``: the loaded moments go into the files (NVMe tier), or into memory of
@@ -276,18 +318,25 @@ class SlideEngine:
         """
         owned = [[p for p, o in zip(u.params, u.owner) if o is u] for u in self.units]
         landing = self._landing_buffers * self._chunk_numel * 4 if self.optimizer is not None else 0
+        copy_size = torch.empty((), dtype=self.compute_dtype).element_size()
         return plan_host(
             owned,
             self.optimizer.optimizer if self.optimizer is not None else None,
             retain_grads=self._retain,
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
-            frozen_bytes_per_element=stored_sizes,
+            frozen_bytes_per_element={**dict.fromkeys(self.disk_masters, copy_size), **(stored_sizes or {})},
             state_block_numel=self._chunk_numel if self.nvme_path is not None else None,
+            disk_masters=self.disk_masters,
         )
 
-    def setup(self) -> None:
-        """Pin the masters, allocate the window, and route the modules' forwards through the engine."""
+    def setup(self, loaded_masters: dict[nn.Parameter, Tensor] | None = None) -> None:
+        """Pin the masters, allocate the window, and route the modules' forwards through the engine.
+
+        Args:
+            loaded_masters: fp32 values (from a checkpoint) for masters that go to disk, where the parameter itself
+                holds fewer bits (a model loaded in bf16).
+        """
         budget = device_budget(self.device)  # within the process's memory fraction
         need = self.device_bytes()
         if budget is not None and need > budget:
@@ -311,8 +360,14 @@ class SlideEngine:
         self._ready = True  # from here on, teardown releases what setup made, also if setup fails below
         if self.nvme_path is not None:
             self.optimizer.store = NvmeStateStore(
-                self.nvme_path, self._state_units(), self._state_keys(), chunk_numel=self._chunk_numel
-            )
+                self.nvme_path, self._state_units(), self._state_keys(), masters=frozenset(self.disk_masters),
+                chunk_numel=self._chunk_numel,
+            )  # fmt: skip
+            for p in self.disk_masters:  # the master to disk; the parameter keeps the copy the device computes with
+                self.optimizer.store.write(p, MASTER, (loaded_masters or {}).get(p, p.data))
+                p.data = p.data.to(self.compute_dtype)
+                if hasattr(p, "grad_dtype"):  # its .grad shows the fp32 gradient (older torch: no .grad)
+                    p.grad_dtype = None
         if self._offload_activations:
             self.activations = ActivationStash(self.transfer)
             self.offloading = None if self._offload_activations == "auto" else len(self.blocks)
@@ -371,11 +426,27 @@ class SlideEngine:
                 self.router.close()
             self.worker.shutdown()
             if self.optimizer is not None and self.optimizer.store is not None:
-                self.optimizer.store.close()
-                self.optimizer.store = None
+                try:
+                    self._masters_from_disk()
+                finally:
+                    self.optimizer.store.close()
+                    self.optimizer.store = None
             self.transfer.close()
             move_except_parameters(self.model, torch.device("cpu"))
             self._ring, self._own = [], {}
+
+    def _masters_from_disk(self) -> None:
+        # the store's files go with it: the fp32 masters come back into the parameters, if RAM holds them
+        need = sum(p.numel() * 4 for p in self.disk_masters)
+        if need > 0.9 * available_host_bytes():
+            log.warning(
+                "SlideFormer leaves the bf16 copies in the %d block weights whose fp32 masters were on disk: the"
+                " masters (%.2f GiB) do not fit the RAM available now. The checkpoints hold them (Trainer callbacks"
+                " ModelCheckpoint; `slide export` reads them).", len(self.disk_masters), need / 2**30,
+            )  # fmt: skip
+            return
+        for p in self.disk_masters:
+            p.data = self.optimizer.store.read(p, MASTER)
 
     # ---- weights on the device -------------------------------------------------------------------------------
 
@@ -601,7 +672,8 @@ class SlideEngine:
             self.router.drain()
             self.worker.drain()
             for p in self.router.pending:
-                p.grad = self.router.host[p]
+                if p.dtype == torch.float32 or getattr(p, "grad_dtype", p.dtype) is None:  # see setup
+                    p.grad = self.router.host[p]
 
     def _check_clip(self, kind: str) -> None:
         if self.schedule != "forward":

@@ -7,6 +7,9 @@ again: the reads queued behind their writes gate the next updates). A few thread
 once (one thread reaching the disk one request at a time, checksumming in between, got 1.1 GB/s of the 2.5-3 GB/s
 dd gets on the H200 machine); a block's read waits for the write of that block submitted before it.
 
+With ``masters``, some parameters' fp32 values live in the same blocks under the key ``"param"``: the block's master
+is read and written with its moments, and the parameter itself holds only a compute-dtype copy (``optim.py``).
+
 Files sit in a private directory (0700) made under ``nvme_path``, are private (0600), opened with ``O_DIRECT``
 where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per block that is checked
 on every read, and are removed when training ends. A block never written reads as zeros (Adam's initial state)
@@ -86,6 +89,9 @@ class _Region:
         return start, end if end < self.nbytes else _aligned(self.nbytes)
 
 
+MASTER = "param"  # the key of a master kept in the store
+
+
 class NvmeStateStore:
     """Optimizer state tensors (``keys``, each shaped like its fp32 parameter) of ``units`` in files.
 
@@ -93,6 +99,7 @@ class NvmeStateStore:
         root: an existing, writable directory on the fast disk.
         units: (name, parameters) per file.
         keys: the state tensors per parameter, e.g. ``("exp_avg", "exp_avg_sq")``.
+        masters: parameters whose fp32 master is kept here too (key :data:`MASTER`), beside their state.
         chunk_numel: elements per row block, at most (see :func:`rows_per_block`).
         max_ahead_bytes: state read ahead and not yet used may hold at most this much RAM.
         io_threads: blocks read or written at once.
@@ -104,6 +111,7 @@ class NvmeStateStore:
         units: list[tuple[str, list[nn.Parameter]]],
         keys: tuple[str, ...],
         *,
+        masters: frozenset[nn.Parameter] = frozenset(),
         chunk_numel: int,
         max_ahead_bytes: int = READ_AHEAD_BYTES,
         io_threads: int = 4,
@@ -135,7 +143,7 @@ class NvmeStateStore:
                     block_bytes = self.rows[p] * row_numel(p) * 4
                     blocks = -(-_rows(p) // self.rows[p])
                     self.regions[p] = {}
-                    for key in keys:
+                    for key in keys + ((MASTER,) if p in masters else ()):
                         self.regions[p][key] = _Region(len(self.paths), offset, p.numel() * 4, block_bytes,
                                                        [None] * blocks)  # fmt: skip
                         offset += _aligned(p.numel() * 4)
@@ -272,7 +280,7 @@ class NvmeStateStore:
             return
         at = region.offset + start
         raise NvmeStateError(
-            f"Optimizer state in {self.paths[region.file]} ({what}, bytes {at}..{at + end - start}) is"
+            f"State in {self.paths[region.file]} ({what}, bytes {at}..{at + end - start}) is"
             f" {'corrupt (checksum mismatch)' if got == end - start else 'truncated'}. Training stops here; resume"
             " from the last checkpoint."
         )
@@ -290,10 +298,10 @@ class NvmeStateStore:
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
-    def reference(self, param: nn.Parameter) -> dict[str, dict]:
-        """Where ``param``'s state lies, per key: the file's name, the byte offset and size, the shape, the block size
-        and each block's CRC (``None``: never written, zeros). Plain data, for a checkpoint; call :meth:`flush`
-        first."""
+    def reference(self, param: nn.Parameter, keys: tuple[str, ...] | None = None) -> dict[str, dict]:
+        """Where ``param``'s state lies, per key (default: the optimizer's, not the master): the file's name, the byte
+        offset and size, the shape, the block size and each block's CRC (``None``: never written, zeros). Plain
+        data, for a checkpoint; call :meth:`flush` first."""
         return {
             key: {
                 "nvme_state_file": os.path.basename(self.paths[r.file]),
@@ -304,6 +312,7 @@ class NvmeStateStore:
                 "crcs": list(r.crcs),
             }  # fmt: skip
             for key, r in self.regions[param].items()
+            if key in (keys or self.keys)
         }
 
     def synced_paths(self) -> list[str]:
@@ -314,18 +323,41 @@ class NvmeStateStore:
         return list(self.paths)
 
     def write(self, param: nn.Parameter, key: str, value: Tensor) -> None:
-        """Store ``value`` (e.g. from a checkpoint) as ``param``'s ``key`` state."""
+        """Store ``value`` (e.g. from a checkpoint; any float dtype) as ``param``'s ``key`` state."""
         region = self.regions[param][key]
 
-        def write(block: int, rows: slice | None) -> None:
-            start, end = region.block(block)
-            buffer = self._take(end - start)
-            part = value if rows is None else value[rows]
+        def write(block: int, part: Tensor, buffer: Tensor) -> None:
             buffer[: part.numel() * 4].view(torch.float32).view(part.shape).copy_(part)
             self._write(region, block, buffer)
-            self._give(buffer)
 
-        for future in [self._io.submit(write, block, rows) for rows, block in self.blocks(param, None)]:
+        self._each_block(param, region, value, write)
+
+    def read(self, param: nn.Parameter, key: str) -> Tensor:
+        """``param``'s ``key`` state, whole, in a new fp32 tensor (CRC-checked)."""
+        self.flush()
+        region, value = self.regions[param][key], torch.empty(param.shape, dtype=torch.float32)
+
+        def read(block: int, part: Tensor, buffer: Tensor) -> None:
+            if region.crcs[block] is None:
+                part.zero_()
+                return
+            self._read(region, block, buffer, f"{key} of {self._names[param]}")
+            part.copy_(buffer[: part.numel() * 4].view(torch.float32).view(part.shape))
+
+        self._each_block(param, region, value, read)
+        return value
+
+    def _each_block(self, param: nn.Parameter, region: _Region, value: Tensor, move) -> None:
+        # move(block, the block's part of value, a pooled buffer) on the I/O threads, all blocks at once
+        def one(block: int, rows: slice | None) -> None:
+            start, end = region.block(block)
+            buffer = self._take(end - start)
+            try:
+                move(block, value if rows is None else value[rows], buffer)
+            finally:
+                self._give(buffer)
+
+        for future in [self._io.submit(one, block, rows) for rows, block in self.blocks(param, None)]:
             future.result()
 
     def close(self) -> None:

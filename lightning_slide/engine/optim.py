@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from .nvme import NvmeStateStore, row_numel
+from .nvme import MASTER, NvmeStateStore, row_numel
 
 SUPPORTED_OPTIMIZERS = (AdamW, Adam, SGD)
 
@@ -46,7 +46,8 @@ class CpuOptimizer:
 
     With a ``store`` (the NVMe tier, set by the engine), Adam's moments live there instead of in
     ``optimizer.state``, which then keeps only each parameter's step count; updates then run block by block of
-    the store's rows, each block's moments read before and written after.
+    the store's rows, each block's moments read before and written after. A parameter whose fp32 master is in the
+    store too holds a compute-dtype copy: the update runs on the block's master, then rounds it into the copy.
 
     Raises:
         TypeError: for any other optimizer class (subclasses included: their ``step`` may differ).
@@ -144,8 +145,11 @@ class CpuOptimizer:
                     moments = self.store.load(p, block)  # the block's rows
                     at = None if part is None else slice(start + part.start, start + part.stop)
                     grad = g if part is None or part == slice(0, len(g)) else g[part]
-                    self._adam([_cut(p.data, at)], [grad], [moments], [self.optimizer.state[p]["step"]], hypers,
-                               grad_scale)  # fmt: skip
+                    master = moments.pop(MASTER, None)
+                    target = _cut(p.data, at) if master is None else master
+                    self._adam([target], [grad], [moments], [self.optimizer.state[p]["step"]], hypers, grad_scale)
+                    if master is not None:
+                        _cut(p.data, at).copy_(master)  # the copy the device computes with
                     self.store.save(p, block)
             return
         states = [self.optimizer.state[p] for p in params]

@@ -31,7 +31,8 @@ class HostPlan:
     landing: int
     largest_unit: int  # the transient copy while a unit's masters move into pinned memory
     pinned: int  # of the above, what must be page-locked (CUDA only)
-    disk: int = 0  # optimizer state in files (the NVMe tier); optimizer_state is then what is read in at once
+    disk: int = 0  # optimizer state (and masters) in files (the NVMe tier); optimizer_state is then what is read in
+    # at once
 
     @property
     def added(self) -> int:
@@ -42,7 +43,7 @@ class HostPlan:
         rows = [("parameters (masters)", self.masters), ("optimizer state", self.optimizer_state),
                 ("retained gradients", self.retained_grads), ("gradient landing buffers", self.landing)]  # fmt: skip
         text = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in rows)
-        disk = f"; {self.disk / GIB:.2f} GiB of optimizer state on disk" if self.disk else ""
+        disk = f"; {self.disk / GIB:.2f} GiB of optimizer state (and masters) on disk" if self.disk else ""
         return f"host memory plan: {text}; {self.pinned / GIB:.2f} GiB of it pinned{disk}"
 
 
@@ -55,12 +56,15 @@ def plan_host(
     pinned: bool,
     frozen_bytes_per_element: dict[nn.Parameter, int] | None = None,
     state_block_numel: int | None = None,
+    disk_masters: list[nn.Parameter] = (),
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
     Args:
         frozen_bytes_per_element: element sizes that parameters will be stored with, where they differ from now.
         state_block_numel: with the optimizer state on disk, the elements of its row blocks (``None``: in RAM).
+        disk_masters: parameters whose fp32 masters are on disk too, in the state's blocks (their copy in RAM is
+            given by ``frozen_bytes_per_element``).
     """
     sizes = frozen_bytes_per_element or {}
 
@@ -79,8 +83,9 @@ def plan_host(
         # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, as much again waiting to be written (the
         # reads queued behind those writes gate the next updates), and the block being updated
         disk = sum(-(-p.numel() * 4 // 4096) * 4096 for p in trainable) * per
+        disk += sum(-(-p.numel() * 4 // 4096) * 4096 for p in disk_masters)
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
-        state = min(state, block * 4 * per + 2 * READ_AHEAD_BYTES)
+        state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * READ_AHEAD_BYTES)
     retained = trainable_bytes if retain_grads and optimizer is not None else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     locked = masters + retained + landing_bytes if pinned else 0
