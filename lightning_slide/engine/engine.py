@@ -425,13 +425,13 @@ class SlideEngine:
             if self.optimizer is not None:
                 self.router.close()
             self.worker.shutdown()
+            self.transfer.close()  # first: each unit's pinned copies are freed as its masters come back below
             if self.optimizer is not None and self.optimizer.store is not None:
                 try:
                     self._masters_from_disk()
                 finally:
                     self.optimizer.store.close()
                     self.optimizer.store = None
-            self.transfer.close()
             move_except_parameters(self.model, torch.device("cpu"))
             self._ring, self._own = [], {}
 
