@@ -322,6 +322,8 @@ def test_nvme_masters_train_exactly_like_ram(tmp_path, clip):
             seen["count"] = len(engine.disk_masters)
             seen["planned"] = engine.host_plan().disk
             seen["files"] = sum(os.path.getsize(p) for p in engine.optimizer.store.paths)
+            seen["planned_ram"] = engine.host_plan().masters
+            seen["ram"] = sum(p.numel() * p.element_size() for p in module.parameters())
 
     module = CausalLM(tiny_config("llama", tied=True))
     kwargs = dict(precision="bf16-mixed", gradient_clip_val=clip)
@@ -332,6 +334,8 @@ def test_nvme_masters_train_exactly_like_ram(tmp_path, clip):
     assert seen["count"] == 4 * 7  # q k v o gate up down of 4 blocks
     assert {p.dtype for p in trained.parameters()} == {torch.float32}  # the fp32 masters came back
     assert seen["planned"] == seen["files"]  # moments and masters
+    assert seen["planned_ram"] == seen["ram"]  # bf16 copies of the block matrices, the rest fp32
+    assert seen["ram"] < 0.8 * sum(p.numel() * 4 for p in module.parameters())
 
 
 def _in_bf16(module):
