@@ -74,6 +74,7 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
 
         def on_train_end(self, trainer, *args):  # before the strategy's teardown
             engine = trainer.strategy.engine
+            engine.wait()  # updates in flight hold landing buffers
             pool = engine.activations._free.values() if engine.activations is not None else []
             offloaded.append({
                 "activations_offloaded": engine.offloading, "mlp_tiled": engine.tiling,
