@@ -395,7 +395,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         params = dict(self.lightning_module.named_parameters())
         self._loaded_masters = {
             name: value for name, value in checkpoint["state_dict"].items()
-            if name in params and value.dtype == torch.float32 and params[name].dtype != torch.float32
+            if name in params and isinstance(value, torch.Tensor) and value.dtype == torch.float32
+            and params[name].dtype != torch.float32
         }  # fmt: skip
 
     @override
