@@ -144,8 +144,11 @@ class EmbeddingRowsFunction(Function):
     def backward(ctx, grad: Tensor) -> tuple[None, ...]:
         index, inverse = ctx.saved_tensors
         width = grad.shape[-1]
-        values = torch.zeros(index.numel(), width, dtype=torch.float32, device=grad.device)
-        values.index_add_(0, inverse.reshape(-1), grad.reshape(-1, width).float())
+        # NOTE: the op plain nn.Embedding's backward runs, on the positions among the distinct ids: its CUDA kernel
+        # sums each row's contributions in a fixed order (index_add_ adds with atomics: runs differed in the last bits)
+        values = torch.ops.aten.embedding_dense_backward(
+            grad.reshape(-1, width).float(), inverse.reshape(-1), index.numel(), -1, False
+        )
         padding_idx = ctx.unit.module.padding_idx
         if padding_idx is not None:
             values[index == padding_idx] = 0
