@@ -310,8 +310,8 @@ def _masters_strategy(path) -> SlideFormerStrategy:
     return SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(path), nvme_masters=True)
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
-def test_nvme_masters_train_exactly_like_ram(tmp_path, clip):
+@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.05, 1), (None, 2)])
+def test_nvme_masters_train_exactly_like_ram(tmp_path, clip, accumulate):
     seen = {}
 
     class Look(L.Callback):
@@ -326,7 +326,7 @@ def test_nvme_masters_train_exactly_like_ram(tmp_path, clip):
             seen["ram"] = sum(p.numel() * p.element_size() for p in module.parameters())
 
     module = CausalLM(tiny_config("llama", tied=True))
-    kwargs = dict(precision="bf16-mixed", gradient_clip_val=clip)
+    kwargs = dict(precision="bf16-mixed", gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     ram, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
     disk, trained = fit(module, _masters_strategy(tmp_path), callbacks=[Look()], **kwargs)
     assert all(torch.equal(disk[k], ram[k]) for k in ram)
