@@ -3,7 +3,8 @@
 # under a hard time limit, logs and CSV rows written to OUTDIR (default: benchmarks/results/run-<date>).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STEPS...]
-#   STEPS: any of tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_32b_lora nvme_io
+#   STEPS: any of tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters
+#          memory_32b_lora nvme_io
 #
 # The package must be importable as lightning_slide (pip install -e ., or PYTHONPATH). Every step is killed at its
 # limit (a stuck Triton compile ignores SIGTERM), and pytest dumps all thread stacks of a test that hangs.
@@ -11,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-benchmarks/results/run-$(date +%F)}")
 shift || true
-steps=("${@:-tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_32b_lora nvme_io}")
+steps=("${@:-tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
@@ -29,7 +30,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 
 hang=()  # with pytest-timeout, a hanging test dumps every thread's stack instead of eating the limit
 python -c "import pytest_timeout" 2>/dev/null && hang=(--timeout=120 -o timeout_method=thread)
-step tests 300 python -P -m pytest -m gpu -q -p no:cacheprovider -rfE "${hang[@]}"
+step tests 420 python -P -m pytest -m gpu -q -p no:cacheprovider -rfE "${hang[@]}"
 step quickstart 180 python -P -m lightning_slide fit --config recipes/quickstart.yaml --trainer.precision bf16-mixed \
   --trainer.default_root_dir "$out/quickstart" --trainer.enable_progress_bar false
 cd benchmarks
@@ -37,9 +38,11 @@ step flce 150 python bench_flce.py --out "$out/flce.csv"
 step attention 150 python bench_attention.py --out "$out/attention.csv"
 step core 540 python bench_core.py --out "$out/core.csv"
 step memory_8b 300 python bench_memory.py --case 8b --out "$out/memory.csv"
-step memory_8b_64k 300 python bench_memory.py --case 8b-64k --out "$out/memory.csv"
+step memory_8b_64k 330 python bench_memory.py --case 8b-64k --steps 1 --out "$out/memory.csv"  # ~200 s on the H200
 step memory_3b_nvme 240 python bench_memory.py --case 3b-nvme --steps 2 --nvme-path "${SLIDE_NVME_PATH:-$HOME/slide-nvme}" \
   --out "$out/memory.csv"
+step memory_3b_nvme_masters 240 python bench_memory.py --case 3b-nvme-masters --steps 2 \
+  --nvme-path "${SLIDE_NVME_PATH:-$HOME/slide-nvme}" --out "$out/memory.csv"
 step memory_32b_lora 400 python bench_memory.py --case 32b-lora --steps 2 --out "$out/memory.csv"
 step nvme_io 200 python bench_nvme_io.py --dir "${SLIDE_NVME_PATH:-$HOME}" --out "$out/nvme_io.csv"
 exit $status
