@@ -85,7 +85,7 @@ def _load(path: Path, weights_only: bool, *, optimizer_state: bool) -> dict:
     file = path / CHECKPOINT_FILE if path.is_dir() else path
     checkpoint = torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
     maps: dict[str, torch.Tensor] = {}
-    for container in [checkpoint.get("state_dict", {})] + (_param_states(checkpoint) if optimizer_state else []):
+    for container in _containers(checkpoint, optimizer_state=optimizer_state):
         for key, value in container.items():
             if _is_reference(value):
                 container[key] = _resolve(value, path / STATE_DIR, maps)
@@ -124,8 +124,10 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _param_states(checkpoint: dict) -> list[dict]:
-    return [s for opt in checkpoint.get("optimizer_states", []) for s in opt.get("state", {}).values()]
+def _containers(checkpoint: dict, *, optimizer_state: bool = True) -> list[dict]:
+    # the dicts whose values may be references into state files: the weights, and each parameter's optimizer state
+    states = [s for opt in checkpoint.get("optimizer_states", []) for s in opt.get("state", {}).values()]
+    return [checkpoint.get("state_dict", {})] + (states if optimizer_state else [])
 
 
 def _is_reference(value: Any) -> bool:
@@ -133,8 +135,7 @@ def _is_reference(value: Any) -> bool:
 
 
 def _references(checkpoint: dict) -> bool:
-    containers = [checkpoint.get("state_dict", {}), *_param_states(checkpoint)]
-    return any(_is_reference(v) for container in containers for v in container.values())
+    return any(_is_reference(v) for container in _containers(checkpoint) for v in container.values())
 
 
 def _resolve(ref: dict, state_dir: Path, maps: dict[str, torch.Tensor]) -> torch.Tensor:

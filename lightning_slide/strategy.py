@@ -147,7 +147,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.optimizer_offload = optimizer_offload
         self.nvme_path = nvme_path if optimizer_offload != "cpu" else None
         self.nvme_masters = nvme_masters
-        self._loaded_masters: dict[str, torch.Tensor] = {}  # fp32 masters from a checkpoint, until setup
+        self._loaded_masters: dict[nn.Parameter, torch.Tensor] = {}  # fp32 masters from a checkpoint, until setup
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
@@ -280,8 +280,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
-        params = dict(module.named_parameters())
-        self.engine.setup({params[name]: value for name, value in self._loaded_masters.items()})
+        self.engine.setup(self._loaded_masters)
         self._loaded_masters = {}
         if self.install_loss and layout.causal_lm is not None:
             engine = self.engine
@@ -394,7 +393,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         # puts the exact master on disk at setup (nvme_masters)
         params = dict(self.lightning_module.named_parameters())
         self._loaded_masters = {
-            name: value for name, value in checkpoint["state_dict"].items()
+            params[name]: value for name, value in checkpoint["state_dict"].items()
             if name in params and isinstance(value, torch.Tensor) and value.dtype == torch.float32
             and params[name].dtype != torch.float32
         }  # fmt: skip

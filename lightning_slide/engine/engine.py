@@ -219,8 +219,12 @@ class SlideEngine:
                 " computes with fp32 weights, so nothing would be saved. Train with precision='bf16-mixed' or set"
                 " nvme_masters=False."
             )
-        trainable = {p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.requires_grad}
+        trainable = self._trainable()
         return [p for u in self.blocks for p, o in zip(u.params, u.owner) if o is u and p.dim() >= 2 and p in trainable]
+
+    def _trainable(self) -> set[nn.Parameter]:
+        # the parameters the optimizer updates (frozen ones in it have no state)
+        return {p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.requires_grad}
 
     def _check_optimizer_params(self) -> None:
         if self.optimizer is None:
@@ -302,7 +306,7 @@ class SlideEngine:
 
     def _state_units(self) -> list[tuple[str, list[nn.Parameter]]]:
         # per unit, the trainable parameters it owns (what has optimizer state)
-        trainable = {p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.requires_grad}
+        trainable = self._trainable()
         units = [(u.name, [p for p, o in zip(u.params, u.owner) if o is u and p in trainable]) for u in self.units]
         return [(name, params) for name, params in units if params]
 

@@ -44,7 +44,8 @@ class NvmeStateError(RuntimeError):
     """Optimizer state on disk is missing, short or corrupt."""
 
 
-def _aligned(nbytes: int) -> int:
+def page_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (what a region takes on disk)."""
     return -(-nbytes // ALIGN) * ALIGN
 
 
@@ -86,7 +87,7 @@ class _Region:
         """(start, end) of a block relative to the region; the last one ends at the region's aligned size."""
         start = index * self.block_bytes
         end = start + self.block_bytes
-        return start, end if end < self.nbytes else _aligned(self.nbytes)
+        return start, end if end < self.nbytes else page_aligned(self.nbytes)
 
 
 MASTER = "param"  # the key of a master kept in the store
@@ -146,7 +147,7 @@ class NvmeStateStore:
                     for key in keys + ((MASTER,) if p in masters else ()):
                         self.regions[p][key] = _Region(len(self.paths), offset, p.numel() * 4, block_bytes,
                                                        [None] * blocks)  # fmt: skip
-                        offset += _aligned(p.numel() * 4)
+                        offset += page_aligned(p.numel() * 4)
                 path = os.path.join(self.dir, f"{i:04d}-{name or 'root'}.bin")
                 self.paths.append(path)
                 self._fds.append(self._open(path))
@@ -239,7 +240,7 @@ class NvmeStateStore:
             raise self._error
 
     def _block_bytes(self, param: nn.Parameter, block: int) -> int:
-        return sum(_aligned(r.block(block)[1] - r.block(block)[0]) for r in self.regions[param].values())
+        return sum(page_aligned(r.block(block)[1] - r.block(block)[0]) for r in self.regions[param].values())
 
     # ---- on the I/O threads ----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .nvme import READ_AHEAD_BYTES, row_numel, rows_per_block
+from .nvme import READ_AHEAD_BYTES, page_aligned, row_numel, rows_per_block
 
 GIB = 2**30
 
@@ -82,8 +82,8 @@ def plan_host(
     if state_block_numel is not None:
         # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, as much again waiting to be written (the
         # reads queued behind those writes gate the next updates), and the block being updated
-        disk = sum(-(-p.numel() * 4 // 4096) * 4096 for p in trainable) * per
-        disk += sum(-(-p.numel() * 4 // 4096) * 4096 for p in disk_masters)
+        disk = sum(page_aligned(p.numel() * 4) for p in trainable) * per
+        disk += sum(page_aligned(p.numel() * 4) for p in disk_masters)
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
         state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * READ_AHEAD_BYTES)
     retained = trainable_bytes if retain_grads and optimizer is not None else 0
