@@ -5,21 +5,33 @@ Registered on ``import lightning_slide`` with transformers' ``AttentionInterface
 dropped). Like Hugging Face's flash-attention path, the mask is ``None`` or the 2D padding mask; packed batches —
 ``cu_seq_lens_q``/``max_length_q`` kwargs (``DataCollatorWithFlattening``) or position ids that restart — run the
 variable-length kernel, so nothing attends across documents and no (S x S) mask is built.
+
+Dense batches (no padding, no packing, no window) on CUDA run PyTorch's cuDNN attention where it supports the
+inputs: on the H200 it is faster than the project's kernel (``benchmarks/bench_attention.py``, fwd+bwd at 8k: 521
+vs 317 TFLOP/s), and a user fine-tuning one dense batch after another gets the fastest kernel there is. Everything
+else — and everything when cuDNN cannot run the inputs — takes the project's kernel. ``DENSE_CUDNN = False``
+sends dense batches to the kernel too.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels import flash_attention
 from .kernels.attention import HEAD_DIMS
 
 NAME = "slide"
+DENSE_CUDNN = True  # dense CUDA batches to PyTorch's cuDNN attention where it runs them (module docstring)
 log = logging.getLogger(__name__)
+# position ids -> cu_seqlens of their documents, for the most recent few (see _restarts)
+_RESTARTS: OrderedDict[tuple, tuple[Tensor, Tensor | None]] = OrderedDict()
 
 
 def use_slide_attention(model: nn.Module, required: bool) -> Callable[[], None] | None:
@@ -89,7 +101,23 @@ def slide_attention_forward(
     if cu is not None:
         out = flash_attention(*_flat(q, k, v), cu_seqlens=cu, **options)
         return out.view(batch, length, *out.shape[1:]), None
+    heads_first = [t.transpose(1, 2) for t in (q, k, v)]  # (B, H, S, D), in the compute dtype
+    if sliding_window is None and _cudnn_runs(*heads_first, causal):
+        gqa = q.shape[2] != k.shape[2]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                *heads_first, is_causal=causal, scale=scaling, enable_gqa=gqa
+            )
+        return out.transpose(1, 2), None
     return flash_attention(q, k, v, **options), None
+
+
+def _cudnn_runs(query: Tensor, key: Tensor, value: Tensor, causal: bool) -> bool:
+    """Whether PyTorch's cuDNN attention takes these dense (B, H, S, D) inputs (dtype, head dim, GPU, versions)."""
+    if not (DENSE_CUDNN and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    gqa = query.shape[1] != key.shape[1]
+    return can_use_cudnn_attention(SDPAParams(query, key, value, None, 0.0, causal, gqa), False)
 
 
 def _flat(*tensors: Tensor) -> list[Tensor]:
@@ -112,11 +140,25 @@ def _padded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options: dict) -> Ten
 def _restarts(position_ids: Tensor | None, batch: int) -> Tensor | None:
     """cu_seqlens of the packed documents in (B, S) position ids; None when no row has more than one.
 
-    As Hugging Face's ``find_packed_sequence_indices``: a document starts at every row start and wherever the
-    position does not follow the previous one (a row may open with the tail of a document, at position > 0).
+    Finding them reads the ids on the host, a synchronization that left the GPU idle ~4 ms before every block at 32k
+    tokens (a trace of bench_core.py). Every layer, and its recompute, gets the same ids: the answer is kept for the
+    few most recent ids, keyed by their memory and version counter (shared by the detached copies the recompute
+    sees); the entry holds the ids, so that memory is not reused while it is kept.
     """
     if position_ids is None or position_ids.shape[-1] == 1:
         return None
+    t = position_ids
+    key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t._version, batch)
+    if key not in _RESTARTS:
+        _RESTARTS[key] = (t, _find_restarts(t, batch))
+        while len(_RESTARTS) > 8:
+            _RESTARTS.popitem(last=False)
+    return _RESTARTS[key][1]
+
+
+def _find_restarts(position_ids: Tensor, batch: int) -> Tensor | None:
+    # As Hugging Face's ``find_packed_sequence_indices``: a document starts at every row start and wherever the
+    # position does not follow the previous one (a row may open with the tail of a document, at position > 0).
     ids = position_ids.expand(batch, -1)
     breaks = ids.diff(dim=1) != 1
     if not breaks.any():

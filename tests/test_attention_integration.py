@@ -12,9 +12,9 @@ from helpers import VOCAB, tiny_config
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _pair(family, device="cpu"):
+def _pair(family, device="cpu", head_dim=16):
     def config():  # one each: from_config records the attention implementation on the config object
-        return tiny_config(family, hidden_size=64, intermediate_size=128, head_dim=16)  # the kernel's head dims
+        return tiny_config(family, hidden_size=64, intermediate_size=128, head_dim=head_dim)  # the kernel's head dims
 
     torch.manual_seed(0)
     sdpa = AutoModelForCausalLM.from_config(config(), attn_implementation="sdpa")
@@ -59,12 +59,24 @@ def _assert_same(a, b, tol=1e-5):
         assert err < tol, f"{name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+ROUTES = [("cpu", False), *(pytest.param("cuda", cudnn, marks=pytest.mark.gpu) for cudnn in (False, True))]
+
+
+@pytest.mark.parametrize(("device", "cudnn"), ROUTES)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
-def test_dense_matches_sdpa(family, device):
-    sdpa, slide = _pair(family, device)
+def test_dense_matches_sdpa(family, device, cudnn, monkeypatch):
+    # on CUDA both routes of a dense batch: the project's kernel, and PyTorch's cuDNN attention (attention.py);
+    # Mistral's sliding window always takes the kernel
+    from lightning_slide import attention
+
+    monkeypatch.setattr(attention, "DENSE_CUDNN", cudnn)
+    kernel_calls = []
+    kernel = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
+    sdpa, slide = _pair(family, device, head_dim=64 if cudnn else 16)
     ids = torch.randint(0, VOCAB, (2, 23), device=device)
     _check(sdpa, slide, input_ids=ids, labels=ids)
+    assert bool(kernel_calls) != (cudnn and family != "mistral")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -103,3 +115,21 @@ def test_right_padding_matches_sdpa():
     labels = ids.masked_fill(mask == 0, -100)
     inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
     _assert_same(_loss_and_grads(slide, **inputs), _loss_and_grads(sdpa, **inputs))
+
+
+def test_documents_are_found_once_for_all_layers(monkeypatch):
+    # finding the documents reads the position ids on the host (a GPU synchronization): once per batch, not per layer
+    from lightning_slide import attention
+
+    _, slide = _pair("llama")
+    calls = []
+    find = attention._find_restarts
+    monkeypatch.setattr(attention, "_find_restarts", lambda *args: calls.append(1) or find(*args))
+    position_ids = torch.cat([torch.arange(n) for n in (7, 15, 8)]).unsqueeze(0)
+    ids = torch.randint(0, VOCAB, (1, 30))
+    _loss_and_grads(slide, input_ids=ids, labels=ids, position_ids=position_ids)
+    assert len(calls) == 1
+    position_ids[0, 7:22] += 7  # changed in place: one document fewer, found again
+    changed = _loss_and_grads(slide, input_ids=ids, labels=ids, position_ids=position_ids)
+    assert len(calls) == 2
+    _assert_same(changed, _loss_and_grads(slide, input_ids=ids, labels=ids, position_ids=position_ids.clone()))
