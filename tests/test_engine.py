@@ -59,6 +59,7 @@ class _WatchSteps(L.Callback):
 @pytest.mark.parametrize("install_loss", [True, False])
 def test_no_full_logits_in_a_training_step(monkeypatch, install_loss):
     monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", 1000)  # chunk the tiny vocabulary too
+    monkeypatch.setattr(flce, "_MIN_CHUNK_COLS", 1)
     watch = _WatchSteps()
     batch = 4
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(install_loss=install_loss), steps=2, callbacks=[watch])

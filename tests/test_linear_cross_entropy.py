@@ -14,6 +14,7 @@ N, H, V = 37, 19, 1001
 @pytest.fixture(params=["triton", "torch"])
 def path(request, monkeypatch):
     monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", N * 300)  # 4 vocabulary chunks of 256 (the last one 233)
+    monkeypatch.setattr(flce, "_MIN_CHUNK_COLS", 1)
     return kernel_path(flce, request.param, monkeypatch)
 
 
