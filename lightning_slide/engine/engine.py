@@ -44,7 +44,7 @@ from .planner import (
     tiling_needed,
 )
 from .tiling import TILES, TiledMLP, gated_mlp
-from .transfer import Transfer
+from .transfer import STAGES, Transfer
 from .units import DeviceBuffer, Unit, max_sizes
 from .worker import CpuWorker
 
@@ -246,7 +246,8 @@ class SlideEngine:
             return sum(n * torch.empty((), dtype=d).element_size() for d, n in sizes.items())
 
         own = sum(nbytes(u.numel) for u in [self.head, *self.leftovers] if u is not None)
-        return (num_slots or self.num_slots) * nbytes(max_sizes(self.blocks)) + own + 2 * 4 * self._chunk_numel
+        staging = 2 * STAGES * 4 * self._chunk_numel  # the two rings of fp32 staging chunks (transfer.py)
+        return (num_slots or self.num_slots) * nbytes(max_sizes(self.blocks)) + own + staging
 
     def with_offloaded_state(self, state_dict: dict) -> dict:
         """``optimizer.state_dict()`` plus, for the moments that live in files, references to where they lie there
@@ -501,10 +502,11 @@ class SlideEngine:
             j = index + step * k
             if 0 <= j < len(self.blocks):
                 self.prefetch(self.blocks[j])
-        # the head (and leftovers) in their own buffers: sent while the last blocks compute, where their update is
-        # done (the trace at 32k showed the GPU idle 33 ms before the head when it was sent after the last block)
+        # the head (and leftovers) in their own buffers: sent behind the first blocks, where their update is done,
+        # else after the last block. At 32k the head's 2 GiB (fp32) took ~40 ms to send: sent during the last blocks,
+        # it still left the GPU idle 27 ms (traces of bench_core.py)
         last = index == len(self.blocks) - 1
-        if forward and index >= len(self.blocks) - self.num_slots:
+        if forward:
             for other in self._own:
                 if last or all(o.update_done is None or o.update_done.done() for o in other.owners()):
                     self.prefetch(other)

@@ -189,7 +189,7 @@ class GradRouter:
         streamed = plan is not None and not self.retain
         if streamed:
             self.optimizer.prefetch([p for _, p, _ in ready])
-        with tr.on_download_stream(event):
+        with tr.converting(event):
             if streamed:
                 for owner in owners:
                     flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
@@ -221,16 +221,15 @@ class GradRouter:
             r1 = min(rows, r0 + step_rows)
             cut = slice(r0, r1) if param.dim() else None
             shape = (r1 - r0, *param.shape[1:]) if param.dim() else ()
-            stage = tr.down_stage[: (r1 - r0) * row_numel].view(shape)
+            landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
+            stage = tr.down_stage((r1 - r0) * row_numel).view(shape)
             _combine(stage, contribs, cut)
             if direct:
                 flat = stage.view(-1)
                 self._device_sq[param] += torch.dot(flat, flat)
-            landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
             target = _rows(self.host[param], cut) if direct else landing[: stage.numel()].view(shape)
-            target.copy_(stage, non_blocking=True)
+            event = tr.download(stage, target)
             self.download_bytes += 4 * stage.numel()
-            event = tr.record(tr.download_stream)
             if plan is not None:
                 self.worker.submit(self._apply_chunk, param, cut, landing, target, plan, r1 == rows, after=event)
             else:
@@ -263,7 +262,7 @@ class GradRouter:
             self._flags[owner] = self.transfer.host_empty(1, torch.bool)
         flag = self._flags[owner]
         flag.copy_(ok.view(1), non_blocking=True)
-        return flag, self.transfer.record(self.transfer.download_stream)
+        return flag, self.transfer.record()  # on the conversion stream
 
     # ---- on the worker ---------------------------------------------------------------------------------------
 
