@@ -310,3 +310,37 @@ def test_offloading_runs_keep_fewer_landing_buffers(monkeypatch):
     assert kept == [(1, 4 * (1 << 23))]  # one buffer left, and the plan says so
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weights_train(monkeypatch):
+    # schedule "forward" retains every gradient, so the landing pool only serves a second gradient of the same
+    # weights in one step: here the first block runs twice (weights shared), which takes it. Chunks of 256
+    # elements, so the gradients would fill 36 buffers.
+    from lightning_slide.engine import engine as engine_module
+
+    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 256)
+
+    class SharedBlockLM(StackLM):
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            net = self.net
+            x = net.embed(ids)
+            for block in [net.blocks[0], *net.blocks]:
+                x = x + block(x)
+            logits = net.head(net.norm(x))
+            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    kept = []
+
+    class Look(L.Callback):
+        def on_train_end(self, trainer, module):
+            engine = trainer.strategy.engine
+            engine.wait()
+            kept.append((engine.transfer._landing.qsize(), engine.host_plan().landing))
+
+    module = SharedBlockLM(dropout=0.0)
+    ref, _ = fit(module, "auto", gradient_clip_val=0.5)
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), gradient_clip_val=0.5, callbacks=[Look()])
+    assert kept == [(2, 2 * 4 * 256)]
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"

@@ -55,6 +55,7 @@ Schedule = Literal["backward", "forward"]
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _NVME_LANDING_BUFFERS = 16
 _OFFLOAD_LANDING_BUFFERS = 16  # see _plan_activations
+_SPARE_LANDING_BUFFERS = 2  # with every gradient retained (see __init__)
 _ROWS_STAGE_NUMEL = 1 << 23  # fp32 elements per staging buffer of embedding rows (two of them)
 
 
@@ -162,6 +163,10 @@ class SlideEngine:
         # the state on disk, the disk sets the pace and gradients waiting for it would only take RAM
         grad_numel = sum(p.numel() for u in self.units for p in u.params if p.requires_grad)
         most = min(landing_buffers, _NVME_LANDING_BUFFERS) if nvme_path is not None else landing_buffers
+        if schedule == "forward" and not retain_grads:
+            # each gradient goes straight into its retained host buffer; the pool only takes a second one in the
+            # same step (weights used twice), so 2 GiB of pinned buffers would sit idle
+            most = min(most, _SPARE_LANDING_BUFFERS)
         self._landing_buffers = min(most, -(-grad_numel // self._chunk_numel) + 1)
         self._max_queued_grad_bytes = max_queued_grad_bytes
         self._cpu_threads = cpu_threads
