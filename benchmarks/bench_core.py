@@ -130,11 +130,7 @@ def run_slideformer(
                 profiler.stop()
                 profiled.append(gpu_time_by_kind(profiler))
                 if trace_dir:
-                    path = os.path.join(trace_dir, f"a_{schedule}_{batch.numel()}.json")
-                    profiler.export_chrome_trace(path)
-                    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
-                        z.write(f.read())
-                    os.remove(path)
+                    write_trace(profiler, os.path.join(trace_dir, f"a_{schedule}_{batch.numel()}.json"))
                 return
             engine = trainer.strategy.engine
             times.append(time.perf_counter())
@@ -168,6 +164,14 @@ def run_slideformer(
                     f" train_thread_waits_update={wait_update:.3f}s train_thread_waits_send={wait_send:.3f}s"
                     f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB; one more step profiled: {profiled[0]}",
     }  # fmt: skip
+
+
+def write_trace(profiler, path: str) -> None:
+    """The profiled step as a gzipped Chrome trace at ``path`` + ".gz"."""
+    profiler.export_chrome_trace(path)
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
+        z.write(f.read())
+    os.remove(path)
 
 
 def gpu_time_by_kind(profiler) -> str:
@@ -221,33 +225,43 @@ class BenchLM:
 # ---- (b) all on the GPU, (c) FSDP2 CPU offload -------------------------------------------------------------------
 
 
-def run_plain(model, batch: int, seq: int, steps: int, warmup: int, fused: bool = True):
+def run_plain(model, batch: int, seq: int, steps: int, warmup: int, fused: bool = True, trace: str | None = None):
     model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-5, weight_decay=0.01, fused=fused, foreach=None if fused else True
     )
     data = [b.cuda() for b in batches(warmup + steps, batch, seq)]
     times = []
-    for i, ids in enumerate(data):
-        if i == warmup:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step(ids):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+
+    for i, ids in enumerate(data):
+        if i == warmup:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(ids)
         times.append(time.perf_counter() - start)
     alloc, reserved = gpu_peaks()
+    if trace:  # one more step, not timed, under the profiler (compare its kernels with (a)'s: trace_kernels.py)
+        activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        with torch.profiler.profile(activities=activities) as profiler:
+            step(data[-1])
+        write_trace(profiler, trace)
     return {"step_s": statistics.median(times[warmup:]), "gpu_alloc_gib": alloc, "gpu_reserved_gib": reserved,
             "host_peak": peak_rss(), "timeline": ""}  # fmt: skip
 
 
-def run_all_gpu(layers, batch, seq, steps, warmup):
+def run_all_gpu(layers, batch, seq, steps, warmup, trace_dir=None):
     start_measure()
     model = make_model(layers).cuda()
-    out = run_plain(model, batch, seq, steps, warmup)
+    trace = os.path.join(trace_dir, f"b_all_gpu_{batch * seq}.json") if trace_dir else None
+    out = run_plain(model, batch, seq, steps, warmup, trace=trace)
     del model
     return out
 
@@ -313,7 +327,7 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=None, help="(a): threads of the CPU optimizer")
     parser.add_argument("--main-threads", type=int, default=None, help="(a): torch threads of the training thread")
     parser.add_argument("--out", default="benchmarks/results/core.csv")
-    parser.add_argument("--trace-dir", default=None, help="(a): write the profiled step's Chrome trace (gzipped) here")
+    parser.add_argument("--trace-dir", default=None, help="(a), (b): write a profiled step's trace here")
     args = parser.parse_args()
 
     import lightning
@@ -360,7 +374,7 @@ def main() -> None:
         torch.set_num_threads(default_threads)
     for tokens in token_counts:
         if "b" in systems:
-            record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens))
+            record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens), args.trace_dir)
         if "c" in systems:
             record("c_fsdp2_offload", "", tokens, run_fsdp2, args.layers, *shape(tokens))
     print(f"{'system':<18}{'schedule':<10}{'tokens':>7}{'tok/s':>9}{'step s':>8}{'GPU GiB':>9}{'host B/p':>9}")
