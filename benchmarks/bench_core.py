@@ -189,12 +189,14 @@ def gpu_time_by_kind(profiler) -> str:
     try:
         events = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         totals = {"kernels": 0.0, "h2d": 0.0, "d2h": 0.0}
+        computing = []
         for e in events:
             kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "kernels"
             totals[kind] += e.time_range.elapsed_us() / 1e6
+            if kind == "kernels":
+                computing.append((e.time_range.start, e.time_range.end))
         span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e6
-        busy = _union_s([(e.time_range.start, e.time_range.end) for e in events if not ("HtoD" in e.name or
-                                                                                     "DtoH" in e.name)])  # fmt: skip
+        busy = _union_s(computing)
         return (" ".join(f"gpu_{k}={v:.3f}s" for k, v in totals.items()) + f" gpu_span={span:.3f}s"
                 f" gpu_computing={busy:.3f}s")  # fmt: skip
     except Exception as err:  # the figures above stand without it

@@ -102,8 +102,8 @@ def slide_attention_forward(
         out = flash_attention(*_flat(q, k, v), cu_seqlens=cu, **options)
         return out.view(batch, length, *out.shape[1:]), None
     heads_first = [t.transpose(1, 2) for t in (q, k, v)]  # (B, H, S, D), in the compute dtype
-    if sliding_window is None and _cudnn_runs(*heads_first, causal):
-        gqa = q.shape[2] != k.shape[2]
+    gqa = q.shape[2] != k.shape[2]
+    if sliding_window is None and _cudnn_runs(*heads_first, causal, gqa):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = torch.nn.functional.scaled_dot_product_attention(
                 *heads_first, is_causal=causal, scale=scaling, enable_gqa=gqa
@@ -112,11 +112,10 @@ def slide_attention_forward(
     return flash_attention(q, k, v, **options), None
 
 
-def _cudnn_runs(query: Tensor, key: Tensor, value: Tensor, causal: bool) -> bool:
+def _cudnn_runs(query: Tensor, key: Tensor, value: Tensor, causal: bool, gqa: bool) -> bool:
     """Whether PyTorch's cuDNN attention takes these dense (B, H, S, D) inputs (dtype, head dim, GPU, versions)."""
     if not (DENSE_CUDNN and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
         return False
-    gqa = query.shape[1] != key.shape[1]
     return can_use_cudnn_attention(SDPAParams(query, key, value, None, 0.0, causal, gqa), False)
 
 

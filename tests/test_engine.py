@@ -290,24 +290,29 @@ def test_embedding_rows_move_through_two_small_staging_buffers(monkeypatch):
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
+class _LandingPool(L.Callback):
+    """Records, when training ends, the landing buffers left in the pool and those the host plan counts (bytes)."""
+
+    def __init__(self):
+        self.kept = []
+
+    def on_train_end(self, trainer, module):
+        engine = trainer.strategy.engine
+        engine.wait()  # the last updates have given their buffers back
+        self.kept.append((engine.transfer._landing.qsize(), engine.host_plan().landing))
+
+
 def test_offloading_runs_keep_fewer_landing_buffers(monkeypatch):
     import lightning_slide.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)  # every input leaves the GPU
     monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)
     monkeypatch.setattr(engine_module, "_OFFLOAD_LANDING_BUFFERS", 1)
-    kept = []
-
-    class Look(L.Callback):
-        def on_train_end(self, trainer, module):
-            engine = trainer.strategy.engine
-            engine.wait()  # the last updates have given their buffers back
-            kept.append((engine.transfer._landing.qsize(), engine.host_plan().landing))
-
+    pool = _LandingPool()
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto")
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[Look()])
-    assert kept == [(1, 4 * (1 << 23))]  # one buffer left, and the plan says so
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[pool])
+    assert pool.kept == [(1, 4 * (1 << 23))]  # one buffer left, and the plan says so
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -330,17 +335,10 @@ def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weig
             logits = net.head(net.norm(x))
             return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
-    kept = []
-
-    class Look(L.Callback):
-        def on_train_end(self, trainer, module):
-            engine = trainer.strategy.engine
-            engine.wait()
-            kept.append((engine.transfer._landing.qsize(), engine.host_plan().landing))
-
+    pool = _LandingPool()
     module = SharedBlockLM(dropout=0.0)
     ref, _ = fit(module, "auto", gradient_clip_val=0.5)
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), gradient_clip_val=0.5, callbacks=[Look()])
-    assert kept == [(2, 2 * 4 * 256)]
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), gradient_clip_val=0.5, callbacks=[pool])
+    assert pool.kept == [(2, 2 * 4 * 256)]
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"

@@ -64,16 +64,10 @@ class Transfer:
         # streams of their own, so a copy need not wait for the conversion before it: with one staging chunk on the
         # copy's stream, each copy waited for a conversion that itself waited for SMs held by the compute stream's
         # matmuls, and uploads moved at ~34 GB/s instead of ~53 (a trace of bench_core.py at 32k).
-        stages = STAGES if self.is_cuda else 0
         self._up_convert = torch.cuda.Stream(device, priority=-1) if self.is_cuda else None
-        self._up_stages = [torch.empty(chunk_numel, dtype=torch.float32, device=device) for _ in range(stages)]
-        self._up_free: list[torch.cuda.Event | None] = [None] * stages  # the conversion that last read each
-        self._up_next = 0
+        self._up_stages = _StagingRing(STAGES, chunk_numel, device) if self.is_cuda else None
         self._down_convert = torch.cuda.Stream(device, priority=-1) if self.is_cuda else None
-        self._down_stages = [torch.empty(chunk_numel, dtype=torch.float32, device=device) for _ in range(stages or 1)]
-        self._down_free: list[torch.cuda.Event | None] = [None] * len(self._down_stages)  # the copy that last read each
-        self._down_index = {t.data_ptr(): i for i, t in enumerate(self._down_stages)}
-        self._down_next = 0
+        self._down_stages = _StagingRing(STAGES if self.is_cuda else 1, chunk_numel, device)
         self._registered: list[Tensor] = []
         self._landing: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
         for _ in range(landing_buffers):
@@ -154,15 +148,13 @@ class Transfer:
                 src_flat, dst_flat = src.view(-1), dst.view(-1)
                 for start in range(0, src_flat.numel(), self.chunk_numel):
                     n = min(self.chunk_numel, src_flat.numel() - start)
-                    i, self._up_next = self._up_next, (self._up_next + 1) % len(self._up_stages)
-                    if self._up_free[i] is not None:
-                        up.wait_event(self._up_free[i])
-                    stage = self._up_stages[i][:n]
+                    stage = self._up_stages.take(n, up)
                     stage.copy_(src_flat[start : start + n], non_blocking=True)
                     cast.wait_event(self.record(up))
                     with torch.cuda.stream(cast):
                         dst_flat[start : start + n].copy_(stage)
-                    self._up_free[i] = converted = self.record(cast)
+                    converted = self.record(cast)
+                    self._up_stages.read_until(stage, converted)
             if converted is not None:  # the conversions run in order: the last one's event covers them all
                 up.wait_event(converted)
             return self.record(up)
@@ -193,10 +185,7 @@ class Transfer:
     def down_stage(self, numel: int) -> Tensor:
         """The next device staging chunk for a download (within :meth:`converting`, which then waits until the
         chunk's previous contents have left)."""
-        i, self._down_next = self._down_next, (self._down_next + 1) % len(self._down_stages)
-        if self._down_free[i] is not None:
-            self._down_convert.wait_event(self._down_free[i])
-        return self._down_stages[i][:numel]
+        return self._down_stages.take(numel, self._down_convert)
 
     def download(self, stage: Tensor, target: Tensor) -> torch.cuda.Event | None:
         """Copy a staging chunk filled on the conversion stream into the host tensor ``target``.
@@ -210,7 +199,8 @@ class Transfer:
         self.download_stream.wait_event(self.record(self._down_convert))
         with torch.cuda.stream(self.download_stream):
             target.copy_(stage, non_blocking=True)
-        self._down_free[self._down_index[stage.data_ptr()]] = done = self.record(self.download_stream)
+        done = self.record(self.download_stream)
+        self._down_stages.read_until(stage, done)
         return done
 
     def keep_alive(self, tensor: Tensor) -> None:
@@ -240,3 +230,24 @@ class Transfer:
             registered = next((i for i, r in enumerate(self._registered) if r.data_ptr() == buffer.data_ptr()), None)
             if registered is not None:
                 _cuda_unregister(self._registered.pop(registered).data_ptr())
+
+
+class _StagingRing:
+    """fp32 device staging chunks, taken in turn; a chunk is handed out again only after the work that last read it."""
+
+    def __init__(self, count: int, numel: int, device: torch.device) -> None:
+        self._chunks = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(count)]
+        self._read: list[torch.cuda.Event | None] = [None] * count  # the end of each chunk's last reader
+        self._next = 0
+
+    def take(self, numel: int, stream: torch.cuda.Stream | None) -> Tensor:
+        """The next chunk's first ``numel`` elements; ``stream`` (``None`` on the CPU) first waits for its last
+        reader."""
+        i, self._next = self._next, (self._next + 1) % len(self._chunks)
+        if self._read[i] is not None:
+            stream.wait_event(self._read[i])
+        return self._chunks[i][:numel]
+
+    def read_until(self, chunk: Tensor, event: torch.cuda.Event | None) -> None:
+        """The work reading ``chunk`` (from :meth:`take`) ends at ``event``."""
+        self._read[next(i for i, c in enumerate(self._chunks) if c.data_ptr() == chunk.data_ptr())] = event
