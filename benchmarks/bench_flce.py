@@ -5,7 +5,7 @@ H=4096, V=128256, bf16, fwd+bwd. Reports the median time (triton.testing.do_benc
 beyond its inputs (gradient outputs and workspaces included), and the relative error of dx and dW against an fp32
 reference. Appends CSV rows to --out.
 
-    python benchmarks/bench_flce.py --tokens 4096,8192,16384
+    python benchmarks/bench_flce.py --tokens 4096,8192,16384,32768
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lightning_slide.kernels import fused_linear_cross_entropy
 from results_csv import append_row, environment
 
 GIB = 2**30
+ONE_PASS_MIN_TOKENS = flce.ONE_PASS_MIN_TOKENS
 
 
 def eager(h, w, t):
@@ -28,7 +29,9 @@ def eager(h, w, t):
 
 
 def systems():
+    # ours as the loss runs it (one pass from flce.ONE_PASS_MIN_TOKENS tokens), and with two passes at every size
     out = {"ours_triton": ("triton", fused_linear_cross_entropy), "ours_torch": ("torch", fused_linear_cross_entropy),
+           "ours_triton_two_pass": ("triton two-pass", fused_linear_cross_entropy),
            "torch_eager": (None, eager), "torch_compile": (None, torch.compile(eager))}  # fmt: skip
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
@@ -61,7 +64,7 @@ def measure(fn, h, w, t, ref_grads):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="4096,8192,16384")
+    parser.add_argument("--tokens", default="4096,8192,16384,32768")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--out", default="benchmarks/results/flce.csv")
@@ -78,7 +81,8 @@ def main() -> None:
         del hf, wf
         for name, (path, fn) in todo.items():
             if path is not None:
-                flce.TRITON_ON_CUDA = path == "triton"
+                flce.TRITON_ON_CUDA = path.startswith("triton")
+                flce.ONE_PASS_MIN_TOKENS = 1 << 62 if path.endswith("two-pass") else ONE_PASS_MIN_TOKENS
             try:
                 ms, peak, (err_dx, err_dw) = measure(fn, h, w, t, ref_grads)
                 note = ""

@@ -1,11 +1,18 @@
 """Fused linear cross-entropy: the loss of ``hidden @ weight.T (+ bias)`` without the (tokens x vocabulary) logits.
 
-The vocabulary is walked in chunks. Pass 1 (forward) computes each chunk's logits with one matmul and folds them
-into a running log-sum-exp per token (``_lse_kernel``). Pass 2 (backward) recomputes each chunk's logits, turns
-them into their gradient in place (``_grad_kernel``), and takes two matmuls: the hidden gradient accumulates in
-fp32 across chunks, and the weight gradient of the chunk comes from one matmul over *all* tokens, so it is rounded
-once, as in plain PyTorch — fp32-accurate with no fp32 (vocabulary x hidden) buffer. The cost of that accuracy is
-a fourth matmul (the recompute): 4 x 2NHV FLOPs instead of 3 x 2NHV.
+Two ways to walk the (tokens x vocabulary) matrix, both rounding each gradient once, as plain PyTorch does:
+
+- **Two passes, vocabulary chunks** (fewer tokens than ``ONE_PASS_MIN_TOKENS``, or no gradient wanted). Pass 1
+  (forward) computes each chunk's logits with one matmul and folds them into a running log-sum-exp per token
+  (``_lse_kernel``). Pass 2 (backward) recomputes each chunk's logits, turns them into their gradient in place
+  (``_grad_kernel``), and takes two matmuls: the hidden gradient accumulates in fp32 across chunks, and the weight
+  gradient of the chunk comes from one matmul over *all* tokens. No fp32 (vocabulary x hidden) buffer, at the cost
+  of a fourth matmul (the recompute): 4 x 2NHV FLOPs instead of 3 x 2NHV.
+- **One pass, token chunks** (many tokens, and a gradient wanted). The forward computes each token chunk's logits
+  over the whole vocabulary, its log-sum-exp, its gradient in place, and both gradient matmuls; the weight
+  gradient accumulates in an fp32 (vocabulary x hidden) buffer, the hidden gradient is one matmul per chunk. The
+  backward only scales them by the incoming gradient. 3 x 2NHV FLOPs, for 4 bytes per head parameter of device
+  memory between forward and backward (Liger-Kernel's FLCE also computes its gradients in the forward).
 
 Per token t with logits z (after the optional soft-cap ``c * tanh(x / c)``), target y, smoothing e, z-loss a:
 
@@ -39,6 +46,12 @@ _CHUNK_ELEMENTS = 1 << 25  # logits per vocabulary chunk (N x Vc), 64 MiB in bf1
 # ... but at least this many vocabulary columns: every chunk reads and writes the fp32 hidden gradient (N x H) once,
 # which at 32k tokens in chunks of 1024 columns cost ~0.02 s more than the matmuls of wider chunks (bench_core trace)
 _MIN_CHUNK_COLS = 4096
+# From this many tokens the loss takes one pass (module docstring): at 32k tokens and a 128k vocabulary the
+# recompute's matmul cost ~0.05 s per step; below, the fp32 weight gradient (2 GiB for that head) would weigh more
+# than the time saved (the Core issue's 8k-token step must stay within 7 GiB of GPU memory).
+ONE_PASS_MIN_TOKENS = 16384
+_ONE_PASS_CHUNK_ELEMENTS = 1 << 29  # logits per token chunk (n x V) of the one-pass walk, 1 GiB in bf16 ...
+_MIN_CHUNK_ROWS = 128  # ... but at least this many tokens (whole tiles for the matmuls)
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -225,25 +238,38 @@ def _grad_chunk_torch(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0:
     x.copy_(g * scale[:, None])
 
 
-def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, opts: CEOptions):
-    """Pass 1. hidden: (N, H), weight: (V, H), target: (N,).
+def _token_chunks(n: int, vocab: int):
+    size = min(n, max(_MIN_CHUNK_ROWS, _ONE_PASS_CHUNK_ELEMENTS // vocab))
+    if _MIN_CHUNK_ROWS <= size < n:
+        size -= size % _MIN_CHUNK_ROWS
+    for t0 in range(0, n, size):
+        yield t0, min(n, t0 + size)
 
-    Returns:
-        per-token loss (N,) fp32 (0 where ignored), lse (N,) fp32, per-token correctness (N,) bool or None.
-    """
-    n, vocab = hidden.shape[0], weight.shape[0]
-    h = hidden.to(weight.dtype)
-    stats = _RowStats.empty(n, hidden.device)
-    for v0, v1 in _chunks(n, vocab):
-        x = _chunk_logits(h, weight, bias, v0, v1)
-        if not _use_triton(x):
-            _lse_chunk_torch(x, target, stats, v0, opts)
-            continue
-        _lse_kernel[(n,)](
-            x, x.stride(0), target, stats.max, stats.sumexp, stats.target_logit, stats.sum_z, stats.best,
-            stats.best_idx, v1 - v0, v0, float(opts.softcap or 1.0),
-            HAS_SOFTCAP=bool(opts.softcap), SUM_Z=bool(opts.label_smoothing), ARGMAX=opts.return_correct,
-        )  # fmt: skip
+
+def _fold_lse(x: Tensor, target: Tensor, stats: _RowStats, v0: int, opts: CEOptions) -> None:
+    # folds the logits chunk x (tokens x columns from v0) into the running statistics
+    if not _use_triton(x):
+        _lse_chunk_torch(x, target, stats, v0, opts)
+        return
+    _lse_kernel[(x.shape[0],)](
+        x, x.stride(0), target, stats.max, stats.sumexp, stats.target_logit, stats.sum_z, stats.best, stats.best_idx,
+        x.shape[1], v0, float(opts.softcap or 1.0),
+        HAS_SOFTCAP=bool(opts.softcap), SUM_Z=bool(opts.label_smoothing), ARGMAX=opts.return_correct,
+    )  # fmt: skip
+
+
+def _logits_to_grad(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0: int, vocab: int, opts: CEOptions):
+    # overwrites the logits chunk x with dloss/dx times each token's scale
+    if not _use_triton(x):
+        _grad_chunk_torch(x, target, lse, scale, v0, vocab, opts)
+        return
+    _grad_kernel[(x.shape[0],)](
+        x, x.stride(0), target, lse, scale, x.shape[1], v0, vocab, float(opts.softcap or 1.0),
+        float(opts.label_smoothing), float(opts.z_loss), HAS_SOFTCAP=bool(opts.softcap),
+    )  # fmt: skip
+
+
+def _token_losses(stats: _RowStats, target: Tensor, vocab: int, opts: CEOptions):
     lse = stats.max + torch.log(stats.sumexp)
     valid = target != opts.ignore_index
     eps = opts.label_smoothing
@@ -253,9 +279,23 @@ def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Te
     return loss, lse, correct
 
 
+def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, opts: CEOptions):
+    """Pass 1 of two. hidden: (N, H), weight: (V, H), target: (N,).
+
+    Returns:
+        per-token loss (N,) fp32 (0 where ignored), lse (N,) fp32, per-token correctness (N,) bool or None.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    h = hidden.to(weight.dtype)
+    stats = _RowStats.empty(n, hidden.device)
+    for v0, v1 in _chunks(n, vocab):
+        _fold_lse(_chunk_logits(h, weight, bias, v0, v1), target, stats, v0, opts)
+    return _token_losses(stats, target, vocab, opts)
+
+
 def flce_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, lse: Tensor, scale: Tensor,
                   opts: CEOptions, need_weight_grad: bool):  # fmt: skip
-    """Pass 2. scale: (N,) fp32, dloss_total/dloss_token (0 where ignored).
+    """Pass 2 of two. scale: (N,) fp32, dloss_total/dloss_token (0 where ignored).
 
     Returns:
         grad_hidden (N, H) in hidden's dtype, grad_weight (V, H) in weight's dtype or None, grad_bias or None.
@@ -267,47 +307,99 @@ def flce_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     grad_b = torch.empty(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
     for v0, v1 in _chunks(n, vocab):
         x = _chunk_logits(h, weight, bias, v0, v1)
-        if _use_triton(x):
-            _grad_kernel[(n,)](
-                x, x.stride(0), target, lse, scale, v1 - v0, v0, vocab, float(opts.softcap or 1.0),
-                float(opts.label_smoothing), float(opts.z_loss), HAS_SOFTCAP=bool(opts.softcap),
-            )  # fmt: skip
-        else:
-            _grad_chunk_torch(x, target, lse, scale, v0, vocab, opts)
+        _logits_to_grad(x, target, lse, scale, v0, vocab, opts)
         _add_matmul(grad_h, x, weight[v0:v1])  # dh += dz @ W_c, summed over chunks in fp32
         if grad_w is not None:
             torch.mm(x.t(), h, out=grad_w[v0:v1])  # dW_c = dz.T @ h: one matmul over all tokens
         if grad_b is not None:
-            grad_b[v0:v1] = x.float().sum(0)
+            grad_b[v0:v1] = x.sum(0, dtype=torch.float32)
     return grad_h.to(hidden.dtype), grad_w, None if grad_b is None else grad_b.to(bias.dtype)
+
+
+def flce_one_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, scale: Tensor,
+                  opts: CEOptions, need_hidden_grad: bool, need_weight_grad: bool):  # fmt: skip
+    """The loss and its gradients in one walk over token chunks. scale: as in :func:`flce_backward`.
+
+    Returns:
+        per-token loss (N,) fp32, per-token correctness or None, and the fp32 gradients of hidden (N, H), weight
+        (V, H) and bias (V,), each None where not wanted.
+    """
+    n, vocab = hidden.shape[0], weight.shape[0]
+    h = hidden.to(weight.dtype)
+    stats = _RowStats.empty(n, hidden.device)
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+
+    def zeros(*shape):
+        return torch.zeros(*shape, dtype=torch.float32, device=hidden.device)
+
+    grad_h = zeros(n, hidden.shape[1]) if need_hidden_grad else None
+    grad_w = zeros(vocab, hidden.shape[1]) if need_weight_grad else None
+    grad_b = zeros(vocab) if bias is not None else None
+    for t0, t1 in _token_chunks(n, vocab):
+        rows = _RowStats(*(t[t0:t1] for t in vars(stats).values()))
+        x = _chunk_logits(h[t0:t1], weight, bias, 0, vocab)
+        _fold_lse(x, target[t0:t1], rows, 0, opts)
+        torch.add(rows.max, torch.log(rows.sumexp), out=lse[t0:t1])
+        _logits_to_grad(x, target[t0:t1], lse[t0:t1], scale[t0:t1], 0, vocab, opts)
+        if grad_h is not None:
+            _add_matmul(grad_h[t0:t1], x, weight)  # the whole vocabulary in one matmul
+        if grad_w is not None:
+            _add_matmul(grad_w, x.t(), h[t0:t1])  # summed over token chunks in fp32
+        if grad_b is not None:
+            grad_b += x.sum(0, dtype=torch.float32)
+    loss, _, correct = _token_losses(stats, target, vocab, opts)
+    return loss, correct, (grad_h, grad_w, grad_b)
 
 
 def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     # acc (fp32) += a @ b. On CUDA one cuBLAS call with an fp32 output accumulates without rounding the partial
-    # product to bf16 and without an (N, H) temporary; elsewhere the product is upcast and added.
-    if acc.is_cuda and a.dtype != acc.dtype:
+    # product to bf16 and without a temporary of acc's size; elsewhere the product is upcast and added.
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc += (a @ b).to(acc.dtype)
 
 
+def _token_scale(grad: Tensor, valid: Tensor, normalizer, reduction: str) -> Tensor:
+    # dloss_total/dloss_token for an incoming gradient `grad` of the reduced loss; 0 where ignored
+    if reduction == "none" or (normalizer is None and reduction == "sum"):
+        scale = grad
+    elif normalizer is not None:
+        scale = grad / normalizer
+    else:
+        scale = grad / valid.sum().clamp_min(1)
+    return torch.where(valid, scale.expand(valid.shape), 0.0).contiguous()
+
+
+def _scaled(grad: Tensor | None, factor: Tensor, dtype: torch.dtype) -> Tensor | None:
+    # grad * factor in dtype, rounded once, leaving grad (kept by the graph) as it is
+    return None if grad is None else torch.mul(grad, factor, out=torch.empty_like(grad, dtype=dtype))
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, normalizer, opts: CEOptions):
-        loss, lse, correct = flce_forward(hidden, weight, bias, target, opts)
         valid = target != opts.ignore_index
+        wants = ctx.needs_input_grad
+        ctx.grads = None
+        if opts.reduction != "none" and hidden.shape[0] >= ONE_PASS_MIN_TOKENS and any(wants[:3]):
+            scale = _token_scale(torch.ones((), device=hidden.device), valid, normalizer, opts.reduction)
+            loss, correct, ctx.grads = flce_one_pass(hidden, weight, bias, target, scale, opts, wants[0], wants[1])
+        else:
+            loss, lse, correct = flce_forward(hidden, weight, bias, target, opts)
+            ctx.save_for_backward(hidden, weight, bias, target, lse)
         if opts.reduction == "none":
             out = loss
+        elif normalizer is not None:
+            out = loss.sum() / normalizer
+        elif opts.reduction == "mean":
+            out = loss.sum() / valid.sum().clamp_min(1)  # all ignored: 0, not NaN; no host sync
         else:
-            total = loss.sum()
-            if normalizer is not None:
-                out = total / normalizer
-            elif opts.reduction == "mean":
-                out = total / valid.sum().clamp_min(1)  # all ignored: 0, not NaN; no host sync
-            else:
-                out = total
-        ctx.save_for_backward(hidden, weight, bias, target, lse)
+            out = loss.sum()
         ctx.normalizer, ctx.opts = normalizer, opts
+        ctx.dtypes = tuple(None if t is None else t.dtype for t in (hidden, weight, bias))
         if correct is not None:
             ctx.mark_non_differentiable(correct)
             return out, correct
@@ -315,18 +407,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
+        if ctx.grads is not None:  # the one-pass walk computed them for an incoming gradient of 1
+            factor = grad_out.float()
+            grads = (_scaled(g, factor, dtype) for g, dtype in zip(ctx.grads, ctx.dtypes))
+            return (*grads, None, None, None)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         opts = ctx.opts
-        valid = target != opts.ignore_index
-        if opts.reduction == "none":
-            scale = grad_out.float()
-        elif ctx.normalizer is not None:
-            scale = grad_out.float() / ctx.normalizer
-        elif opts.reduction == "mean":
-            scale = grad_out.float() / valid.sum().clamp_min(1)
-        else:
-            scale = grad_out.float()
-        scale = torch.where(valid, scale.expand_as(lse), 0.0).contiguous()
+        scale = _token_scale(grad_out.float(), target != opts.ignore_index, ctx.normalizer, opts.reduction)
         grad_h, grad_w, grad_b = flce_backward(hidden, weight, bias, target, lse, scale, opts, ctx.needs_input_grad[1])
         return grad_h, grad_w, grad_b, None, None, None
 

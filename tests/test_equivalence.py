@@ -37,6 +37,20 @@ def test_fp32_matches_plain_lightning(family, tied, accumulate, clip):
         assert our_module.model.lm_head.weight is our_module.model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_one_pass_loss_matches(monkeypatch, clip):
+    # the installed loss's one-pass walk (gradients in the forward, scaled by Lightning's 1/2 in the backward)
+    import lightning_slide.kernels.linear_cross_entropy as flce
+
+    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1)
+    module = CausalLM(tiny_config("llama", tied=True))
+    kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=clip)
+    ref, _ = fit(module, "auto", **kwargs)
+    ours, _ = fit(module, _strategy(), **kwargs)
+    err, where = max_rel_error(ours, ref)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+
 def test_clipping_really_triggers():
     module = CausalLM(tiny_config("llama"))
     norms = []

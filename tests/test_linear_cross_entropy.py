@@ -18,6 +18,15 @@ def path(request, monkeypatch):
     return kernel_path(flce, request.param, monkeypatch)
 
 
+@pytest.fixture(params=["two", "one"])
+def passes(request, monkeypatch):
+    """The two-pass vocabulary walk, or the one-pass token walk (in chunks of 10 tokens: 10, 10, 10, 7)."""
+    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1 if request.param == "one" else N + 1)
+    monkeypatch.setattr(flce, "_ONE_PASS_CHUNK_ELEMENTS", 10 * V)
+    monkeypatch.setattr(flce, "_MIN_CHUNK_ROWS", 1)
+    return request.param
+
+
 def _inputs(bias=True, ignore_every=5):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(N, H, generator=g, dtype=torch.float64)
@@ -47,7 +56,7 @@ OPTIONS = [
 
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_fp64_reference(path, options, bias):
+def test_matches_fp64_reference(path, passes, options, bias):
     hidden, weight, b, target = _inputs(bias)
     leaves64 = [t.requires_grad_() for t in (hidden, weight, b) if t is not None]
     leaves32 = [t.detach().float().requires_grad_() for t in leaves64]
@@ -62,7 +71,7 @@ def test_matches_fp64_reference(path, options, bias):
         assert _rel(mine, expected) < 1e-5, name
 
 
-def test_all_ignored_gives_zero_loss_and_zero_gradients(path):
+def test_all_ignored_gives_zero_loss_and_zero_gradients(path, passes):
     hidden, weight, _, target = _inputs(bias=False)
     target[:] = -100
     h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
@@ -73,7 +82,7 @@ def test_all_ignored_gives_zero_loss_and_zero_gradients(path):
     assert w.grad.abs().max().item() == 0.0
 
 
-def test_per_token_correctness(path):
+def test_per_token_correctness(path, passes):
     hidden, weight, _, target = _inputs(bias=False)
     target[1] = (hidden[1] @ weight.t()).argmax()  # at least one token right
     _, correct = fused_linear_cross_entropy(hidden.float(), weight.float(), target, return_correct=True)
@@ -89,12 +98,24 @@ def test_int32_targets_and_module_form(path):
     assert _rel(loss, ref) < 1e-5
 
 
-def test_never_builds_full_logits(path):
+def test_never_builds_full_logits(path, passes):
     hidden, weight, _, target = _inputs(bias=False)
     h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
     with LargestTensor() as watch:
         fused_linear_cross_entropy(h, w, target).backward()
-    assert watch.largest <= 4 * max(N * 256, V * H)  # one chunk of fp32 logits, or the weight gradient itself
+    # one chunk of fp32 logits (256 columns, or 10 tokens), or the weight gradient itself
+    assert watch.largest <= 4 * max(N * 256, 10 * V, V * H)
+    assert watch.largest < 4 * N * V
+
+
+def test_one_pass_gradients_survive_a_second_backward(passes):
+    hidden, weight, b, target = _inputs(bias=True)
+    leaves = [t.float().requires_grad_() for t in (hidden, weight, b)]
+    loss = fused_linear_cross_entropy(*leaves[:2], target, leaves[2])
+    first = torch.autograd.grad(3.0 * loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    for a, c in zip(first, second):
+        torch.testing.assert_close(a, 3.0 * c)
 
 
 @pytest.mark.parametrize(
@@ -127,11 +148,14 @@ def test_out_of_range_target_is_caught_on_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
 @pytest.mark.parametrize("triton_on_cuda", [True, False], ids=["triton", "torch"])
-def test_cuda_bf16_error_within_twice_plain_bf16(monkeypatch, triton_on_cuda):
+def test_cuda_bf16_error_within_twice_plain_bf16(monkeypatch, triton_on_cuda, one_pass):
     import torch.nn.functional as F
 
     monkeypatch.setattr(flce, "TRITON_ON_CUDA", triton_on_cuda)
+    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1 if one_pass else 1 << 30)
+    monkeypatch.setattr(flce, "_ONE_PASS_CHUNK_ELEMENTS", 1000 * 128256)  # token chunks of 896
     n, h, v = 4096, 4096, 128256
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
