@@ -82,10 +82,12 @@ class _NaNAt(CausalLM):
         return loss
 
 
-@pytest.mark.parametrize("clip", [None, 1.0])
-def test_nonfinite_gradient_stops_with_step_and_block(clip):
+@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (1.0, 1), (None, 2)])
+def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate):
+    # streamed (checked on the device), clipped (the global norm), retained (checked on the host, grads.py)
     with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in '(model|the global)"):
-        fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=4, gradient_clip_val=clip)
+        fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=4, gradient_clip_val=clip,
+            accumulate_grad_batches=accumulate)  # fmt: skip
 
 
 def test_nonfinite_step_can_be_skipped_with_clipping():
@@ -342,3 +344,4 @@ def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weig
     assert pool.kept == [(2, 2 * 4 * 256)]
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
