@@ -67,10 +67,13 @@ def main() -> None:
     parser.add_argument("--tokens", default="4096,8192,16384,32768")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--systems", default=None, help="comma-separated subset of the systems (default: all)")
     parser.add_argument("--out", default="benchmarks/results/flce.csv")
     args = parser.parse_args()
     common = {**environment(), "hidden": args.hidden, "vocab": args.vocab}
     todo = systems()
+    if args.systems:
+        todo = {name: todo[name] for name in args.systems.split(",")}
     for n in (int(x) for x in args.tokens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(0)
         h = torch.randn(n, args.hidden, device="cuda", generator=g).bfloat16()

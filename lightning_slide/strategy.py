@@ -356,6 +356,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
+        self.engine.backward_starts()
         with _explain_oom(self):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 

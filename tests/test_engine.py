@@ -345,3 +345,62 @@ def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weig
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
+def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer):
+    # rows.py: the rows no token touched are updated when the backward starts, the touched ones when their
+    # gradients arrive; chunks of 10 rows, so both parts run over several chunks (the vocabulary has 101 rows)
+    from lightning_slide.engine import engine as engine_module
+    from lightning_slide.engine.grads import GradRouter
+
+    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
+    splits = []
+    start = GradRouter.start_split
+    monkeypatch.setattr(GradRouter, "start_split", lambda self, p, index, plan: splits.append(len(index)) or
+                        start(self, p, index, plan))  # fmt: skip
+    module = CausalLM(tiny_config("llama"), optimizer=optimizer)
+    two, _ = fit(module, SlideFormerStrategy(num_slots=2))
+    assert len(splits) == 6  # every step
+    assert all(0 < n < VOCAB for n in splits)  # rows of both kinds
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", False)
+    one, _ = fit(module, SlideFormerStrategy(num_slots=2))
+    assert all(torch.equal(two[k], one[k]) for k in one)
+
+
+def test_embedding_without_gradient_after_its_rows_were_updated_is_an_error(monkeypatch):
+    from lightning_slide.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
+
+    class Detached(CausalLM):
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            embeds = self.model.get_input_embeddings()(ids).detach()
+            return self.model(inputs_embeds=embeds, labels=ids).loss
+
+    with pytest.raises(RuntimeError, match="no gradient reached the embedding"):
+        fit(Detached(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=1)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_auto_split_follows_the_workers_waiting_in_the_second_step(monkeypatch, caplog, waits):
+    # "auto": from the third step on, the split runs where the worker waited for the GPU at least as long as the
+    # embedding's update took. On the CPU the worker never waits for a device; here it is made to look as if it did.
+    from lightning_slide.engine import engine as engine_module
+    from lightning_slide.engine.grads import GradRouter
+    from lightning_slide.engine.worker import CpuWorker
+
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", "auto")
+    if waits:
+        run = CpuWorker._run
+        monkeypatch.setattr(
+            CpuWorker, "_run", lambda self, *a: setattr(self, "wait_s", self.wait_s + 1) or run(self, *a)
+        )
+    splits = []
+    start = GradRouter.start_split
+    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a: splits.append(1) or start(self, *a))
+    with caplog.at_level("INFO", logger="lightning_slide.engine.engine"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=5)
+    assert len(splits) == (3 if waits else 0)  # steps 3, 4 and 5
+    assert ("runs the embedding's update in two parts" in caplog.text) == waits

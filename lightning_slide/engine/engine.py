@@ -57,6 +57,12 @@ _NVME_LANDING_BUFFERS = 16
 _OFFLOAD_LANDING_BUFFERS = 16  # see _plan_activations
 _SPARE_LANDING_BUFFERS = 2  # with every gradient retained (see __init__)
 _ROWS_STAGE_NUMEL = 1 << 23  # fp32 elements per staging buffer of embedding rows (two of them)
+# The embedding's update in two parts where exact (rows.py): True, False, or "auto": when the CPU worker has the time.
+# The split moves the untouched rows' update off the end of the step, but gathering the touched rows costs the CPU
+# more: on the H200 (bench_core, uniform token ids) the step at 32k tokens, where the worker waits for the GPU, took
+# 1.370 s instead of 1.413; at 8k, where the worker is the bottleneck, 1.052 instead of 1.015.
+SPLIT_EMBEDDING_UPDATE: bool | Literal["auto"] = "auto"
+_SPLIT_DECIDED_AFTER = 2  # "auto" decides from the second optimizer step's timing (the first creates the state)
 
 
 @dataclass
@@ -179,6 +185,10 @@ class SlideEngine:
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self._plan: StepPlan | None = None
         self._order: dict[Unit, None] = {}  # units in the order of the first training forward
+        self._touched: list[Tensor] = []  # the embedding rows this optimizer step's forwards gathered (host)
+        self._split_pays: bool | None = None  # "auto": whether the worker has time for the split; None: undecided
+        self._steps_begun = 0
+        self._worker_at_step: tuple[float, float] = (0.0, 0.0)  # the worker's busy and waiting seconds then
         self._ready = False
 
     # ---- set-up ------------------------------------------------------------------------------------------------
@@ -539,8 +549,11 @@ class SlideEngine:
         index, inverse, rows = self.gather_rows(unit, ids)
         return rows[inverse]
 
-    def gather_rows(self, unit: Unit, ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def gather_rows(self, unit: Unit, ids: Tensor, *, training: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Send the embedding rows of the tokens in ``ids``.
+
+        Args:
+            training: a forward whose backward sends these rows' gradients (they are the step's touched rows).
 
         Returns:
             the sorted distinct ids (device), each token's position among them (shaped like ``ids``), and the
@@ -558,6 +571,8 @@ class SlideEngine:
                 f"Token id {int(index_host[-1] if index_host[-1] >= weight.shape[0] else index_host[0])} is out of"
                 f" range for the embedding '{unit.name}' with {weight.shape[0]} rows."
             )
+        if training and self._plan is not None:
+            self._touched.append(index_host)
         self._wait_updates(unit)
         width = weight.shape[1]
         rows = torch.empty(index_host.numel(), width, dtype=torch.float32, device=self.device)
@@ -678,10 +693,55 @@ class SlideEngine:
             self.activations.reset()
         self.worker.raise_if_failed()
         self._plan = StepPlan(step=step, hypers=self.optimizer.snapshot())
+        self._touched = []
+        self._steps_begun += 1
+        before, self._worker_at_step = self._worker_at_step, (self.worker.busy_s, self.worker.wait_s)
+        if self._steps_begun == _SPLIT_DECIDED_AFTER + 1 and self.embedding is not None:
+            self._decide_split(self._worker_at_step[0] - before[0], self._worker_at_step[1] - before[1])
+
+    def _decide_split(self, busy: float, waiting: float) -> None:
+        # "auto": split when, in the last step, the worker waited for the GPU at least as long as the embedding's
+        # update took (its share of the parameters, of the worker's busy time: the updates are bound by RAM bandwidth)
+        owned = [p for u in self.units for p, o in zip(u.params, u.owner) if o is u and p.requires_grad]
+        share = self.embedding.params[0].numel() / max(1, sum(p.numel() for p in owned))
+        self._split_pays = waiting >= share * busy
+        log.info(
+            "SlideFormer %s the embedding's update in two parts: in the last step the CPU worker waited %.3f s for"
+            " the GPU; the embedding's update takes ~%.3f s.", "runs" if self._split_pays else "does not run",
+            waiting, share * busy,
+        )  # fmt: skip
+
+    def backward_starts(self) -> None:
+        """The step's loss is about to run backward: where exact, the embedding's rows the step did not touch are
+        updated now (see ``rows.py``)."""
+        touched, self._touched = self._touched, []
+        if touched and self._splits_embedding():
+            self.router.start_split(self.embedding.params[0], torch.unique(torch.cat(touched)), self._plan)
+
+    def _splits_embedding(self) -> bool:
+        # streamed updates ("backward" schedule, no accumulation) of an embedding in RAM that nothing else uses
+        unit = self.embedding
+        wanted = SPLIT_EMBEDDING_UPDATE is True or (SPLIT_EMBEDDING_UPDATE == "auto" and bool(self._split_pays))
+        return (
+            wanted
+            and self._plan is not None
+            and self.schedule == "backward"
+            and not self._retain
+            and self.optimizer.store is None
+            and self.wants_grad(unit, 0)
+            and not any(unit.params[0] is p for u in self.units if u is not unit for p in u.params)
+        )
 
     def grads_ready(self) -> None:
         """The step's backward is done. With the "forward" schedule, wait until every gradient is on the host
         and show them as ``param.grad`` (hooks and clipping read them there)."""
+        split = self.router.split if self.optimizer is not None else None
+        if split is not None and not split.received:
+            raise RuntimeError(
+                f"SlideFormer updated the rows of '{self.embedding.name}' that the step's tokens did not touch when"
+                " its backward pass began, but no gradient reached the embedding in that pass (is its output detached"
+                " from the loss?). Use SlideFormerStrategy(update_schedule='forward') for such a model."
+            )
         self.router.flush(self._plan if self.schedule == "backward" else None)
         if self.schedule == "forward":
             self.router.drain()
@@ -727,6 +787,7 @@ class SlideEngine:
     def finish_step(self) -> None:
         """End of ``optimizer_step``: with the "forward" schedule, queue the updates in forward order."""
         plan, self._plan = self._plan, None
+        self._touched = []
         # NOTE: with the "backward" schedule, the sender queues each unit's update; the next forward must see
         # them all queued before it waits on them.
         self.router.drain()

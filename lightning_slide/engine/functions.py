@@ -135,7 +135,7 @@ class EmbeddingRowsFunction(Function):
 
     @staticmethod
     def forward(ctx, engine: SlideEngine, unit: Unit, ids: Tensor, dummy: Tensor) -> Tensor:
-        index, inverse, rows = engine.gather_rows(unit, ids)
+        index, inverse, rows = engine.gather_rows(unit, ids, training=True)
         ctx.engine, ctx.unit = engine, unit
         ctx.save_for_backward(index, inverse)
         return rows[inverse]

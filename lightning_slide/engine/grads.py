@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .optim import CpuOptimizer, Hypers
+from .rows import RowSplit
 from .transfer import Transfer
 from .units import Unit
 from .worker import CpuWorker
@@ -85,6 +86,8 @@ class GradRouter:
         # NOTE: squared norms of gradients with one contribution in the window, summed on the device as they
         # leave, so clipping by norm costs the CPU no pass over the gradients.
         self._device_sq: dict[nn.Parameter, Tensor] = {}
+        self.split: RowSplit | None = None  # this step's two-part embedding update (rows.py)
+        self._row_scratch: dict[str, Tensor] = {}  # its host buffers, kept across steps
         self.download_bytes = 0
         self._flags: dict[Unit, Tensor] = {}
         self.max_queued_bytes = max_queued_bytes
@@ -109,6 +112,8 @@ class GradRouter:
         ready: list[tuple[Unit, nn.Parameter, list[Contribution]]] = []
         for i, grad in grads.items():
             param, owner = unit.params[i], unit.owner[i]
+            if self.split is not None and param is self.split.param:
+                self.split.received = True
             self._owner_of[param] = owner
             self._stash.setdefault(param, []).append(grad)
             if owner is unit:
@@ -129,6 +134,18 @@ class GradRouter:
     def end_window(self) -> None:
         """The optimizer step is over (after ``drain``): parameters may receive gradients for the next one."""
         self._updated.clear()
+        self.split = None
+
+    def start_split(self, param: nn.Parameter, index: Tensor, plan: StepPlan) -> None:
+        """Update ``param``'s rows outside ``index`` now, and those in it when their gradients arrive (rows.py)."""
+        if self.split is not None:
+            raise RuntimeError(
+                "The input embedding ran forward again after the step's backward pass began; the 'backward' update"
+                " schedule cannot apply that exactly. Use SlideFormerStrategy(update_schedule='forward')."
+            )
+        self.split = RowSplit(param, index, self.transfer.chunk_numel, self._row_scratch)
+        hypers = plan.hypers[self.optimizer.group_index(param)]
+        self.worker.submit(self.split.bulk, self.optimizer, hypers)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -195,7 +212,10 @@ class GradRouter:
                     flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
                     self.worker.submit(_check_finite, flag, plan.step, owner.name, after=flag_event)
             for owner, param, contributions in ready:
-                self._send_param(owner, param, contributions, plan if streamed else None)
+                if streamed and self.split is not None and param is self.split.param:
+                    self._send_rows(self.split, contributions, plan)
+                else:
+                    self._send_param(owner, param, contributions, plan if streamed else None)
                 for c in contributions:
                     for t in _tensors(c):
                         tr.keep_alive(t)
@@ -234,6 +254,39 @@ class GradRouter:
                 self.worker.submit(self._apply_chunk, param, cut, landing, target, plan, r1 == rows, after=event)
             else:
                 self.worker.submit(self._absorb_chunk, param, cut, landing, target, after=event)
+
+    def _send_rows(self, split: RowSplit, contribs: list[Contribution], plan: StepPlan) -> None:
+        # the touched rows' gradients only, in the order of split.index, chunk by chunk to the worker
+        tr = self.transfer
+        if len(contribs) == 1:
+            index, values = contribs[0].index, contribs[0].values
+        else:  # several forwards of the embedding in the step: their rows summed (each index_add_ without repeats)
+            index = torch.unique(torch.cat([c.index for c in contribs]))
+            values = torch.zeros(len(index), *split.param.shape[1:], dtype=torch.float32, device=tr.device)
+            for c in contribs:
+                values.index_add_(0, torch.searchsorted(index, c.index), c.values)
+        if len(index) != len(split.index):
+            raise RuntimeError(
+                f"Internal error: the embedding's gradient has {len(index)} rows, but its forward passes gathered"
+                f" {len(split.index)}."
+            )
+        hypers = plan.hypers[self.optimizer.group_index(split.param)]
+        for lo in range(0, len(index), split.rows_per_chunk):
+            hi = min(len(index), lo + split.rows_per_chunk)
+            landing = tr.take_landing(self.worker.raise_if_failed)
+            stage = tr.down_stage(values[lo:hi].numel()).view(values[lo:hi].shape)
+            stage.copy_(values[lo:hi])
+            target = landing[: stage.numel()].view(stage.shape)
+            event = tr.download(stage, target)
+            self.download_bytes += 4 * stage.numel()
+            self.worker.submit(self._apply_rows, split, lo, hi, landing, target, hypers, after=event)
+        self.worker.submit(self.optimizer.end, split.param)
+
+    def _apply_rows(self, split: RowSplit, lo: int, hi: int, landing: Tensor, grad: Tensor, hypers: Hypers) -> None:
+        try:
+            split.apply(self.optimizer, lo, hi, grad, hypers)
+        finally:
+            self.transfer.give_landing(landing)
 
     def _take_fresh(self, owner: Unit, param: nn.Parameter) -> bool:
         if param not in self.host:

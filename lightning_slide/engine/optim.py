@@ -158,14 +158,33 @@ class CpuOptimizer:
             first = self._sgd_first[params[0]]
             assert all(self._sgd_first[p] == first for p in params)
             bufs = [_cut(s["momentum_buffer"], r) for s, r in zip(states, rows)] if hypers.momentum != 0 else []
-            torch._fused_sgd_(
-                ps, grads, bufs, weight_decay=hypers.weight_decay, momentum=hypers.momentum, lr=hypers.lr,
-                dampening=hypers.dampening, nesterov=hypers.nesterov, maximize=hypers.maximize,
-                is_first_step=first, grad_scale=grad_scale,
-            )  # fmt: skip
+            self._sgd(ps, grads, bufs, hypers, first, grad_scale)
             return
         moments = [{k: _cut(v, r) for k, v in s.items() if k != "step"} for s, r in zip(states, rows)]
         self._adam(ps, grads, moments, [s["step"] for s in states], hypers, grad_scale)
+
+    def state_like(self, param: Tensor) -> dict[str, Tensor]:
+        """``param``'s values and each of its state tensors shaped like it (Adam's moments, SGD's momentum), by name
+        (the values under ``"param"``); in RAM, after :meth:`begin`."""
+        state = self.optimizer.state[param]
+        shaped = {k: v for k, v in state.items() if isinstance(v, Tensor) and v.shape == param.shape and k != "step"}
+        return {"param": param.data, **shaped}
+
+    def update_gathered(self, param: Tensor, rows: dict[str, Tensor], grad: Tensor, hypers: Hypers) -> None:
+        """Apply the update to rows gathered from :meth:`state_like` (same keys), in place, after :meth:`begin`."""
+        if self.is_sgd:
+            bufs = [rows["momentum_buffer"]] if hypers.momentum != 0 else []
+            self._sgd([rows["param"]], [grad], bufs, hypers, self._sgd_first[param], None)
+            return
+        self._adam([rows["param"]], [grad], [rows], [self.optimizer.state[param]["step"]], hypers, None)
+
+    @staticmethod
+    def _sgd(ps, grads, bufs, hypers: Hypers, first: bool, grad_scale) -> None:
+        torch._fused_sgd_(
+            ps, grads, bufs, weight_decay=hypers.weight_decay, momentum=hypers.momentum, lr=hypers.lr,
+            dampening=hypers.dampening, nesterov=hypers.nesterov, maximize=hypers.maximize,
+            is_first_step=first, grad_scale=grad_scale,
+        )  # fmt: skip
 
     @staticmethod
     def _adam(ps, grads, moments: list[dict[str, Tensor]], steps, hypers: Hypers, grad_scale) -> None:
