@@ -3,7 +3,9 @@
     python benchmarks/trace_kernels.py a_backward_32768.json.gz b_all_gpu_32768.json.gz [--top 30]
 
 Sums the durations of each trace's GPU kernels by name (numbers in names are dropped, so one kernel's tile variants
-count together) and prints the largest, each trace's seconds in one column.
+count together) and prints the largest, each trace's seconds in one column. Then, per trace, the compute stream (the
+stream with the most kernel time): its span, the time it computed, and the gaps over 1 ms where it sat idle, with
+the kernel that ended each gap.
 """
 
 from __future__ import annotations
@@ -15,16 +17,40 @@ import re
 from collections import Counter
 
 
-def kernel_seconds(path: str) -> Counter:
+def gpu_events(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def kernel_seconds(events: list[dict]) -> Counter:
     totals: Counter = Counter()
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            name = e["name"] if e["cat"] == "kernel" else e["cat"] + ":" + e["name"].split()[0]
-            totals[re.sub(r"\d+", "#", name)[:90]] += e["dur"] / 1e6
+        name = e["name"] if e["cat"] == "kernel" else e["cat"] + ":" + e["name"].split()[0]
+        totals[re.sub(r"\d+", "#", name)[:90]] += e["dur"] / 1e6
     return totals
+
+
+def compute_stream(events: list[dict], min_gap_ms: float = 1.0) -> str:
+    """The compute stream's span, busy time and idle gaps (ms from the step's first GPU event)."""
+    per_stream: Counter = Counter()
+    for e in events:
+        if e["cat"] == "kernel":
+            per_stream[e["tid"]] += e["dur"]
+    stream = per_stream.most_common(1)[0][0]
+    kernels = sorted((e for e in events if e["tid"] == stream), key=lambda e: e["ts"])
+    origin = min(e["ts"] for e in events)
+    end, busy, gaps = kernels[0]["ts"], 0.0, []
+    for e in kernels:
+        if e["ts"] - end > min_gap_ms * 1e3:
+            idle, at = (e["ts"] - end) / 1e3, (end - origin) / 1e3
+            gaps.append(f"  idle {idle:7.1f} ms from {at:7.1f} ms, then {e['name'][:60]}")
+        busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        end = max(end, e["ts"] + e["dur"])
+    span = end - kernels[0]["ts"]
+    head = f"compute stream: span {span / 1e3:.1f} ms, computing {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms"
+    return "\n".join([head, *gaps])
 
 
 def main() -> None:
@@ -32,12 +58,15 @@ def main() -> None:
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    totals = [kernel_seconds(p) for p in args.traces]
+    events = [gpu_events(p) for p in args.traces]
+    totals = [kernel_seconds(e) for e in events]
     names = sorted(set().union(*totals), key=lambda n: -max(t[n] for t in totals))
     print("".join(f"{i:>10}" for i in range(len(totals))) + "  kernel (seconds per trace; 0.. = the traces in order)")
     for n in names[: args.top]:
         print("".join(f"{t[n]:>10.4f}" for t in totals) + "  " + n)
     print("".join(f"{sum(t.values()):>10.4f}" for t in totals) + "  all (copies overlap kernels)")
+    for i, e in enumerate(events):
+        print(f"{i}: {compute_stream(e)}")
 
 
 if __name__ == "__main__":
