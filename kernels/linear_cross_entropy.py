@@ -2,17 +2,20 @@
 
 Two ways to walk the (tokens x vocabulary) matrix, both rounding each gradient once, as plain PyTorch does:
 
-- **Two passes, vocabulary chunks** (fewer tokens than ``ONE_PASS_MIN_TOKENS``, or no gradient wanted). Pass 1
+- **Two passes, vocabulary chunks** (fewer tokens than ``ONE_PASS_MIN_TOKENS``, no gradient wanted, or no room
+  on the GPU for the one pass; ``one_pass=`` forces either). Pass 1
   (forward) computes each chunk's logits with one matmul and folds them into a running log-sum-exp per token
   (``_lse_kernel``). Pass 2 (backward) recomputes each chunk's logits, turns them into their gradient in place
   (``_grad_kernel``), and takes two matmuls: the hidden gradient accumulates in fp32 across chunks, and the weight
   gradient of the chunk comes from one matmul over *all* tokens. No fp32 (vocabulary x hidden) buffer, at the cost
   of a fourth matmul (the recompute): 4 x 2NHV FLOPs instead of 3 x 2NHV.
-- **One pass, token chunks** (many tokens, and a gradient wanted). The forward computes each token chunk's logits
-  over the whole vocabulary, its log-sum-exp, its gradient in place, and both gradient matmuls; the weight
-  gradient accumulates in an fp32 (vocabulary x hidden) buffer, the hidden gradient is one matmul per chunk. The
-  backward only scales them by the incoming gradient. 3 x 2NHV FLOPs, for 4 bytes per head parameter of device
-  memory between forward and backward (Liger-Kernel's FLCE also computes its gradients in the forward).
+- **One pass, token chunks** (many tokens, a gradient wanted, and on CUDA room for it). The forward computes each
+  token chunk's logits over the whole vocabulary, its log-sum-exp, its gradient in place, and both gradient
+  matmuls; the weight gradient accumulates in an fp32 (vocabulary x hidden) buffer, the hidden gradient is one
+  matmul per chunk. The backward only scales them by the incoming gradient. 3 x 2NHV FLOPs, for 4 bytes per head
+  parameter of device memory between forward and backward (Liger-Kernel's FLCE also computes its gradients in the
+  forward). They are saved tensors of the autograd node, so its backward frees them at once (unless the graph is
+  retained).
 
 Per token t with logits z (after the optional soft-cap ``c * tanh(x / c)``), target y, smoothing e, z-loss a:
 
@@ -165,6 +168,7 @@ class CEOptions:
     z_loss: float = 0.0
     softcap: float | None = None
     return_correct: bool = False
+    one_pass: bool | None = None
 
 
 @dataclass
@@ -362,6 +366,28 @@ def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc += (a @ b).to(acc.dtype)
 
 
+def _one_pass(hidden: Tensor, weight: Tensor, opts: CEOptions, wants: tuple[bool, ...]) -> bool:
+    # the walk to take (module docstring); on CUDA the one pass needs room for its fp32 gradients and a logits chunk
+    if opts.one_pass is not None:
+        return opts.one_pass and any(wants[:3])
+    n, vocab = hidden.shape[0], weight.shape[0]
+    if opts.reduction == "none" or n < ONE_PASS_MIN_TOKENS or not any(wants[:3]):
+        return False
+    if not hidden.is_cuda:
+        return True
+    rows = next(_token_chunks(n, vocab))[1]
+    need = 4 * (vocab + n) * hidden.shape[1] + weight.element_size() * rows * vocab
+    return need <= _device_room(hidden.device)
+
+
+def _device_room(device: torch.device) -> int:
+    # what the caching allocator may still hand out, within the process's memory fraction
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
+    return min(free + torch.cuda.memory_reserved(device) - allocated, cap - allocated)
+
+
 def _token_scale(grad: Tensor, valid: Tensor, normalizer, reduction: str) -> Tensor:
     # dloss_total/dloss_token for an incoming gradient `grad` of the reduced loss; 0 where ignored
     if reduction == "none" or (normalizer is None and reduction == "sum"):
@@ -383,10 +409,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, normalizer, opts: CEOptions):
         valid = target != opts.ignore_index
         wants = ctx.needs_input_grad
-        ctx.grads = None
-        if opts.reduction != "none" and hidden.shape[0] >= ONE_PASS_MIN_TOKENS and any(wants[:3]):
+        ctx.one_pass = _one_pass(hidden, weight, opts, wants)
+        if ctx.one_pass:
             scale = _token_scale(torch.ones((), device=hidden.device), valid, normalizer, opts.reduction)
-            loss, correct, ctx.grads = flce_one_pass(hidden, weight, bias, target, scale, opts, wants[0], wants[1])
+            loss, correct, grads = flce_one_pass(hidden, weight, bias, target, scale, opts, wants[0], wants[1])
+            ctx.save_for_backward(*grads)  # freed by the backward, kept where the graph is retained
         else:
             loss, lse, correct = flce_forward(hidden, weight, bias, target, opts)
             ctx.save_for_backward(hidden, weight, bias, target, lse)
@@ -407,9 +434,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, *_):
-        if ctx.grads is not None:  # the one-pass walk computed them for an incoming gradient of 1
+        if ctx.one_pass:  # the one-pass walk computed them for an incoming gradient of 1
             factor = grad_out.float()
-            grads = (_scaled(g, factor, dtype) for g, dtype in zip(ctx.grads, ctx.dtypes))
+            grads = (_scaled(g, factor, dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
             return (*grads, None, None, None)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         opts = ctx.opts
@@ -432,6 +459,7 @@ def fused_linear_cross_entropy(
     normalizer: Tensor | float | None = None,
     return_correct: bool = False,
     check_targets: bool = False,
+    one_pass: bool | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target``, without materializing the logits.
 
@@ -451,14 +479,19 @@ def fused_linear_cross_entropy(
         return_correct: also return (N,) booleans ``argmax(logits) == target`` (False where ignored).
         check_targets: verify every target is in ``[0, V)`` or ``ignore_index`` (needs a host sync; always done
             on the CPU).
+        one_pass: walk the tokens in one pass (``True``) or the vocabulary in two (``False``); ``None``: one pass
+            from ``ONE_PASS_MIN_TOKENS`` tokens when a gradient is wanted and, on CUDA, there is room for it (module
+            docstring). One pass needs ``reduction`` "mean" or "sum".
 
     Returns:
         the loss, and with ``return_correct`` the per-token correctness.
     """
     _check(hidden, weight, target, bias, reduction, label_smoothing, z_loss, softcap, normalizer)
+    if one_pass and reduction == "none":
+        raise ValueError("one_pass=True computes the gradient of a reduced loss; use reduction 'mean' or 'sum'.")
     if check_targets or not hidden.is_cuda:
         _check_target_range(target, weight.shape[0], ignore_index)
-    opts = CEOptions(ignore_index, reduction, float(label_smoothing), float(z_loss), softcap, return_correct)
+    opts = CEOptions(ignore_index, reduction, float(label_smoothing), float(z_loss), softcap, return_correct, one_pass)
     return FusedLinearCrossEntropyFunction.apply(hidden, weight, bias, target.contiguous(), normalizer, opts)
 
 

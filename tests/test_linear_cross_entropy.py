@@ -108,7 +108,8 @@ def test_never_builds_full_logits(path, passes):
     assert watch.largest < 4 * N * V
 
 
-def test_one_pass_gradients_survive_a_second_backward(passes):
+def test_a_retained_graph_keeps_the_gradients_and_a_plain_backward_frees_them(passes):
+    # the one pass keeps its fp32 gradients as saved tensors: a second backward needs retain_graph, as usual
     hidden, weight, b, target = _inputs(bias=True)
     leaves = [t.float().requires_grad_() for t in (hidden, weight, b)]
     loss = fused_linear_cross_entropy(*leaves[:2], target, leaves[2])
@@ -116,6 +117,20 @@ def test_one_pass_gradients_survive_a_second_backward(passes):
     second = torch.autograd.grad(loss, leaves)
     for a, c in zip(first, second):
         torch.testing.assert_close(a, 3.0 * c)
+    with pytest.raises(RuntimeError, match="freed"):
+        loss.grad_fn.saved_tensors
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_one_pass_argument_chooses_the_walk(monkeypatch, one_pass):
+    calls = []
+    walk = flce.flce_one_pass
+    monkeypatch.setattr(flce, "flce_one_pass", lambda *a: calls.append(1) or walk(*a))
+    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1 if not one_pass else 1 << 30)  # the opposite of the argument
+    hidden, weight, _, target = _inputs(bias=False)
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    fused_linear_cross_entropy(h, w, target, one_pass=one_pass).backward()
+    assert bool(calls) == one_pass
 
 
 @pytest.mark.parametrize(
@@ -131,6 +146,7 @@ def test_one_pass_gradients_survive_a_second_backward(passes):
         ({"z_loss": -1.0}, "z_loss"),
         ({"softcap": 0.0}, "softcap"),
         ({"reduction": "none", "normalizer": 3.0}, "normalizer"),
+        ({"reduction": "none", "one_pass": True}, "one_pass"),
     ],
 )
 def test_bad_input_names_the_argument(change, match):
@@ -174,3 +190,18 @@ def test_cuda_bf16_error_within_twice_plain_bf16(monkeypatch, triton_on_cuda, on
     for name, p, o, r in zip(("loss", "dx", "dW"), plain, ours, ref):
         plain_err, our_err = _rel(p.float(), r.double()), _rel(o.float(), r.double())
         assert our_err <= 2 * plain_err + 1e-6, f"{name}: ours {our_err:.2e} vs plain bf16 {plain_err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("room", [0, 1 << 40])
+def test_cuda_one_pass_only_where_the_gpu_has_room(monkeypatch, room):
+    calls = []
+    walk = flce.flce_one_pass
+    monkeypatch.setattr(flce, "flce_one_pass", lambda *a: calls.append(1) or walk(*a))
+    monkeypatch.setattr(flce, "_device_room", lambda device: room)
+    n, h, v = flce.ONE_PASS_MIN_TOKENS, 256, 1000
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (n,), device="cuda")
+    fused_linear_cross_entropy(hidden, weight, target).backward()
+    assert bool(calls) == (room > 0)
