@@ -2,7 +2,8 @@
 
 (a) SlideFormer through ``Trainer(strategy="slideformer")`` with the module a user writes
     (``self.model(input_ids=ids, labels=ids).loss``), GPU capped at --gpu-cap-gib, schedule "backward"
-    (no clipping) and "forward" (``gradient_clip_val=1.0``);
+    (no clipping) and "forward" (``gradient_clip_val=1.0``); ``--schedules`` may add "norm-first" (clipping at 1.0
+    with two backward passes);
 (b) everything on the GPU: fp32 masters, bf16 autocast, fused AdamW, Hugging Face recompute (uncapped);
 (c) FSDP2 ``fully_shard`` per block with ``CPUOffloadPolicy(pin_memory=True)`` and a bf16 MixedPrecisionPolicy on
     a world of one (uncapped);
@@ -150,10 +151,10 @@ def run_slideformer(
 
     start_measure()
     trainer = L.Trainer(
-        strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads),
+        strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads, update_schedule=schedule),
         precision="bf16-mixed",
         max_steps=warmup + steps + 1,
-        gradient_clip_val=1.0 if schedule == "forward" else None,
+        gradient_clip_val=None if schedule == "backward" else 1.0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Clock()],
     )  # fmt: skip
@@ -392,9 +393,9 @@ def main() -> None:
             record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens), args.trace_dir)
         if "c" in systems:
             record("c_fsdp2_offload", "", tokens, run_fsdp2, args.layers, *shape(tokens))
-    print(f"{'system':<18}{'schedule':<10}{'tokens':>7}{'tok/s':>9}{'step s':>8}{'GPU GiB':>9}{'host B/p':>9}")
+    print(f"{'system':<18}{'schedule':<12}{'tokens':>7}{'tok/s':>9}{'step s':>8}{'GPU GiB':>9}{'host B/p':>9}")
     for r in rows:
-        print(f"{r['system']:<18}{r['schedule']:<10}{r['tokens']:>7}{r['tok_s']:>9.0f}{r['step_s']:>8.3f}"
+        print(f"{r['system']:<18}{r['schedule']:<12}{r['tokens']:>7}{r['tok_s']:>9.0f}{r['step_s']:>8.3f}"
               f"{r['gpu_alloc_gib']:>9.1f}{r['host_b_per_param']:>9.1f}  {r['timeline']}")  # fmt: skip
 
 

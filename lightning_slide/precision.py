@@ -80,6 +80,17 @@ class SlideFormerPrecision(Precision):
             yield
 
     @override
+    def backward(self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any):
+        engine = self.engine
+        if engine is not None and engine.schedule == "norm-first" and optimizer is not None:
+            # a first pass over the retained graph for the global norm only, then the clipped one (engine.py)
+            engine.start_norm_pass()
+            model.backward(tensor, *args, **{**kwargs, "retain_graph": True})
+            if not engine.end_norm_pass(float(model.trainer.gradient_clip_val)):
+                return  # a non-finite norm, and on_nonfinite="skip"
+        model.backward(tensor, *args, **kwargs)
+
+    @override
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
         closure_result = closure()
         self.engine.grads_ready()  # before the hooks and clipping, which read the gradients

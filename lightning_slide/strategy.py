@@ -57,8 +57,12 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             ``"model.model.layers"``; ``None`` finds it.
         update_schedule: ``"backward"`` updates each block while the backward pass continues (not compatible
             with clipping by norm); ``"forward"`` updates after backward, in forward order, overlapping the
-            next forward pass (needed for exact global-norm clipping); ``"auto"`` picks ``"forward"`` exactly
-            when gradient clipping is configured.
+            next forward pass (needed for exact global-norm clipping; the step's fp32 gradients wait in host
+            memory); ``"norm-first"`` clips by norm without keeping them: a first backward pass only finds the
+            global norm, a second one streams the clipped updates as ``"backward"`` does (one more backward pass
+            of GPU work; Trainer(gradient_clip_val=...) by norm, no accumulation). ``"auto"`` picks ``"forward"``
+            when gradient clipping is configured, ``"norm-first"`` instead when the gradients would not fit in
+            RAM, and ``"backward"`` otherwise.
         install_loss: on Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3), compute ``labels=`` losses from
             the hidden states without building the full logits.
         on_nonfinite: ``"raise"`` stops training at a NaN/Inf gradient; ``"skip"`` (clipping by norm only)
@@ -96,7 +100,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         *,
         num_slots: int | Literal["auto"] = "auto",
         blocks: str | None = None,
-        update_schedule: Literal["auto", "backward", "forward"] = "auto",
+        update_schedule: Literal["auto", "backward", "forward", "norm-first"] = "auto",
         install_loss: bool = True,
         frozen_in_compute_dtype: bool = True,
         offload_activations: bool | Literal["auto"] = "auto",
@@ -112,8 +116,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     ) -> None:
         if num_slots != "auto" and (not isinstance(num_slots, int) or num_slots < 2):
             raise ValueError(f"num_slots must be an int >= 2 or 'auto'; got {num_slots!r}.")
-        if update_schedule not in ("auto", "backward", "forward"):
-            raise ValueError(f"update_schedule must be 'auto', 'backward' or 'forward'; got {update_schedule!r}.")
+        if update_schedule not in _SCHEDULES:
+            raise ValueError(f"update_schedule must be one of {_SCHEDULES}; got {update_schedule!r}.")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
@@ -257,6 +261,15 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
         stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
         plan, available = self.engine.host_plan(stored), available_host_bytes()
+        if self._norm_first_instead(trainer, module, plan, available):
+            log.info(
+                "SlideFormer clips with update_schedule='norm-first' (two backward passes): keeping the step's"
+                " gradients for 'forward' would need %.2f GiB more than the %.2f GiB of RAM available.",
+                plan.added / 2**30, available / 2**30,
+            )  # fmt: skip
+            schedule = "norm-first"
+            self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
+            plan = self.engine.host_plan(stored)
         if self._state_to_disk(plan, available):
             log.info(
                 "SlideFormer keeps the optimizer state on NVMe (%s): in RAM the run would need %.2f GiB more than"
@@ -305,6 +318,16 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             and plan.added > available
         )
 
+    def _norm_first_instead(self, trainer: Any, module: LightningModule, plan: Any, available: int) -> bool:
+        """``update_schedule="auto"``: whether clipping takes two backward passes instead of keeping the gradients
+        (they would not fit in RAM)."""
+        return (
+            self.update_schedule == "auto"
+            and self.engine.schedule == "forward"
+            and plan.added > available
+            and not _norm_first_refusal(trainer, module)
+        )
+
     def _resolve_schedule(self, trainer: Any, module: LightningModule) -> str:
         clipping = bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)
         schedule = self.update_schedule
@@ -315,7 +338,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 "Gradient clipping needs every gradient before any update, so it runs with"
                 " update_schedule='forward'; got update_schedule='backward'."
             )
-        if self.on_nonfinite == "skip" and schedule != "forward":
+        if schedule == "norm-first" and (why := _norm_first_refusal(trainer, module)):
+            raise ValueError(f"update_schedule='norm-first' {why}; use update_schedule='forward'.")
+        if self.on_nonfinite == "skip" and schedule == "backward":
             raise ValueError(
                 "on_nonfinite='skip' needs the global gradient norm before any update: set"
                 " Trainer(gradient_clip_val=...) or use on_nonfinite='raise'."
@@ -438,6 +463,25 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 description="SlideFormer with Adam's state on NVMe (directory: $SLIDE_NVME_PATH)",
                 optimizer_offload="nvme",
             )
+
+
+_SCHEDULES = ("auto", "backward", "forward", "norm-first")
+
+
+def _norm_first_refusal(trainer: Any, module: LightningModule) -> str | None:
+    """Why ``update_schedule="norm-first"`` cannot train this fit (``None``: it can)."""
+    if not trainer.gradient_clip_val:
+        return "clips by norm and needs Trainer(gradient_clip_val=...)"
+    if (trainer.gradient_clip_algorithm or "norm") != "norm":
+        return "clips by norm, not by value"
+    if is_overridden("configure_gradient_clipping", module):
+        return (
+            "clips at Trainer(gradient_clip_val=...) during the backward and cannot run an overridden"
+            " configure_gradient_clipping"
+        )
+    if trainer.accumulate_grad_batches > 1:
+        return "keeps no gradients between micro-batches and cannot accumulate them"
+    return None
 
 
 def _check_nvme_path(path: str | None) -> str:

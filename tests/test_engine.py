@@ -404,3 +404,60 @@ def test_auto_split_follows_the_workers_waiting_in_the_second_step(monkeypatch, 
         fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=5)
     assert len(splits) == (3 if waits else 0)  # steps 3, 4 and 5
     assert ("runs the embedding's update in two parts" in caplog.text) == waits
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_norm_first_nonfinite_norm_stops_or_skips(skip):
+    config = tiny_config("llama")
+    nan_module = _NaNAt(config)
+    strategy = SlideFormerStrategy(num_slots=2, update_schedule="norm-first", on_nonfinite="skip" if skip else "raise")
+    if not skip:
+        with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in 'the global gradient norm'"):
+            fit(nan_module, strategy, steps=4, gradient_clip_val=1.0)
+        return
+    skip_module = _NaNAt(config, skip=True)
+    skip_module.load_state_dict(nan_module.state_dict())
+    ref, _ = fit(skip_module, "auto", steps=4, gradient_clip_val=1.0)
+    ours, _ = fit(nan_module, strategy, steps=4, gradient_clip_val=1.0)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+class _OwnClipping(CausalLM):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "module", "match"),
+    [
+        ({}, CausalLM, "needs Trainer\\(gradient_clip_val"),
+        ({"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}, CausalLM, "not by value"),
+        ({"gradient_clip_val": 0.5, "accumulate_grad_batches": 2}, CausalLM, "cannot accumulate"),
+        ({"gradient_clip_val": 0.5}, _OwnClipping, "overridden configure_gradient_clipping"),
+    ],
+)
+def test_norm_first_refuses_what_it_cannot_do(kwargs, module, match):
+    with pytest.raises(ValueError, match=f"norm-first' .*{match}"):
+        fit(module(tiny_config("llama")), SlideFormerStrategy(update_schedule="norm-first"), steps=1, **kwargs)
+
+
+def test_auto_clips_with_norm_first_when_the_gradients_would_not_fit_ram(monkeypatch, caplog):
+    # RAM for everything "norm-first" keeps, but not for the step's gradients too
+    import lightning_slide.strategy as strategy_module
+
+    plans = {}
+
+    class Plans(L.Callback):
+        def on_train_start(self, trainer, *args):
+            plans[trainer.strategy.engine.schedule] = trainer.strategy.engine.host_plan()
+
+    for schedule in ("forward", "norm-first"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(update_schedule=schedule), steps=1,
+            gradient_clip_val=0.5, callbacks=[Plans()])  # fmt: skip
+    assert plans["norm-first"].added < plans["forward"].added
+    monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: plans["norm-first"].added)
+    with caplog.at_level("INFO", logger="lightning_slide.strategy"):
+        _, module = fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), steps=1, gradient_clip_val=0.5,
+                        callbacks=[Plans()])  # fmt: skip
+    assert "update_schedule='norm-first'" in caplog.text

@@ -93,3 +93,34 @@ def test_bf16_mixed_within_twice_plain_bf16_error(family, clip):
     plain_err, our_err = global_error(plain16, ref32), global_error(ours16, ref32)
     assert plain_err > 0  # bf16 really was used
     assert our_err <= 2 * plain_err, f"ours {our_err:.3e} vs plain bf16 {plain_err:.3e}"
+
+
+# update_schedule="norm-first": a first backward pass for the global norm, a second one streaming the clipped updates
+
+
+@pytest.mark.parametrize(("family", "tied"), [("llama", False), ("qwen3", True)])
+def test_norm_first_fp32_matches_plain_lightning(family, tied):
+    module = CausalLM(tiny_config(family, tied=tied))
+    ref, _ = fit(module, "auto", gradient_clip_val=0.05)  # clipping that triggers (test_clipping_really_triggers)
+    ours, _ = fit(module, _strategy(update_schedule="norm-first"), gradient_clip_val=0.05)
+    err, where = max_rel_error(ours, ref)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_norm_first_replays_dropout_and_offloaded_inputs(offload):
+    # both backward passes recompute every block with the forward's dropout masks, from the same saved inputs
+    module = StackLM(dropout=0.2)
+    ref, _ = fit(module, "auto", gradient_clip_val=0.5)
+    ours, _ = fit(module, _strategy(update_schedule="norm-first", offload_activations=offload), gradient_clip_val=0.5)
+    err, where = max_rel_error(ours, ref)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+
+def test_norm_first_bf16_mixed_within_twice_plain_bf16_error():
+    module = CausalLM(tiny_config("llama"))
+    ref32, _ = fit(module, "auto", gradient_clip_val=0.05)
+    plain16, _ = fit(module, "auto", precision="bf16-mixed", gradient_clip_val=0.05)
+    ours16, _ = fit(module, _strategy(update_schedule="norm-first"), precision="bf16-mixed", gradient_clip_val=0.05)
+    plain_err, our_err = global_error(plain16, ref32), global_error(ours16, ref32)
+    assert our_err <= 2 * plain_err, f"ours {our_err:.3e} vs plain bf16 {plain_err:.3e}"

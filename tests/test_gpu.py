@@ -10,12 +10,15 @@ from lightning_slide import SlideFormerStrategy
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize(("tied", "clip", "accumulate"), [(False, None, 1), (True, 0.05, 2), (False, None, 2)])
-def test_cuda_fp32_matches_plain(tied, clip, accumulate):
+@pytest.mark.parametrize(
+    ("tied", "clip", "accumulate", "schedule"),
+    [(False, None, 1, "auto"), (True, 0.05, 2, "auto"), (False, None, 2, "auto"), (True, 0.05, 1, "norm-first")],
+)
+def test_cuda_fp32_matches_plain(tied, clip, accumulate, schedule):
     module = CausalLM(tiny_config("llama", tied=tied))
     kwargs = dict(accelerator="gpu", gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     ref, _ = fit(module, "auto", **kwargs)
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule=schedule), **kwargs)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -42,9 +45,9 @@ def _low_intensity_run(strategy, clip):
     return fit(module, "auto", **kwargs)[0], fit(module, strategy, **kwargs)[0]
 
 
-@pytest.mark.parametrize("clip", [None, 1.0])
-def test_low_arithmetic_intensity_exposes_missing_synchronization(clip):
-    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2), clip)
+@pytest.mark.parametrize(("clip", "schedule"), [(None, "auto"), (1.0, "auto"), (1.0, "norm-first")])
+def test_low_arithmetic_intensity_exposes_missing_synchronization(clip, schedule):
+    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, update_schedule=schedule), clip)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 

@@ -34,6 +34,7 @@ class ActivationStash:
         self.transfer = transfer
         self._free: dict[int, list[tuple[Tensor, object | None]]] = {}  # nbytes -> (buffer, last use)
         self._pending: list[list] = []  # entries of this step's blocks, in forward order
+        self.keep = False  # the backward pass running is not the last over these inputs ("norm-first")
 
     def save(self, tensors: tuple[Tensor, ...]) -> list:
         """What to keep of ``tensors`` for the backward pass: each one, or its offloaded copy."""
@@ -58,7 +59,8 @@ class ActivationStash:
         self._fetch(entries)
         if index > 0:
             self._fetch(self._pending[index - 1])
-        del self._pending[index]
+        if not self.keep:
+            del self._pending[index]
         out = []
         for e in entries:
             if not isinstance(e, _Offloaded):
@@ -67,7 +69,8 @@ class ActivationStash:
             self.transfer.wait(e.fetched)
             out.append(e.back)
             e.back = None  # the autograd node keeps `entries` to the end of backward; it must not keep this alive
-            self._free.setdefault(e.raw.numel(), []).append((e.raw, e.fetched))
+            if not self.keep:  # else fetched again by the next pass
+                self._free.setdefault(e.raw.numel(), []).append((e.raw, e.fetched))
         return out
 
     def reset(self) -> None:

@@ -9,7 +9,11 @@ Update schedules (both give exactly the update plain training gives):
 - **"forward"** — used with gradient clipping. The global norm needs every gradient, so nothing is updated
   before the backward pass ends. Then the updates are queued in forward order (embedding, block 0, 1, ...),
   each scaled by the clipping coefficient, and the next step's forward starts at once: block i's forward waits
-  only for block i's update, so the CPU step overlaps the next forward pass.
+  only for block i's update, so the CPU step overlaps the next forward pass. The step's fp32 gradients wait in
+  host memory (4 bytes per parameter).
+- **"norm-first"** — gradient clipping by norm without that host memory. A first backward pass only sums the
+  gradients' squares on the device (nothing leaves it); the clipping coefficient follows, and a second backward
+  pass over the same graph streams the clipped updates as "backward" does. One more backward pass of GPU work.
 
 Pending updates are completed (``wait``) before validation, checkpointing and the end of training.
 """
@@ -50,7 +54,7 @@ from .worker import CpuWorker
 
 log = logging.getLogger(__name__)
 
-Schedule = Literal["backward", "forward"]
+Schedule = Literal["backward", "forward", "norm-first"]
 # KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _NVME_LANDING_BUFFERS = 16
@@ -86,7 +90,7 @@ class SlideEngine:
         embedding: the input embedding, streamed by rows (``None``: it is a leftover like any other).
         head: the output head, kept in a buffer of its own (``None``: a leftover).
         optimizer: the user's optimizer (``None`` for evaluation only).
-        schedule: ``"backward"`` or ``"forward"`` (see the module docstring).
+        schedule: ``"backward"``, ``"forward"`` or ``"norm-first"`` (see the module docstring).
         retain_grads: keep whole gradients on the host for the window (gradient accumulation; implied by
             ``"forward"``).
         num_slots: ring slots for blocks on the device (>= 2).
@@ -189,6 +193,8 @@ class SlideEngine:
         self._split_pays: bool | None = None  # "auto": whether the worker has time for the split; None: undecided
         self._steps_begun = 0
         self._worker_at_step: tuple[float, float] = (0.0, 0.0)  # the worker's busy and waiting seconds then
+        self._measuring = False  # "norm-first": the backward pass running sums squares only
+        self._norm_first_max = 0.0  # "norm-first": the max norm the step was clipped at
         self._ready = False
 
     # ---- set-up ------------------------------------------------------------------------------------------------
@@ -620,7 +626,10 @@ class SlideEngine:
     def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None:
         if self.optimizer is None or not grads:
             return
-        plan = self._plan if self.schedule == "backward" else None
+        if self._measuring:
+            self.router.measure(unit, grads)
+            return
+        plan = self._plan if self._streams() else None
         start = time.perf_counter()
         self.router.push(unit, grads, plan)
         self.stats.wait_send_s += time.perf_counter() - start
@@ -696,7 +705,7 @@ class SlideEngine:
         self._touched = []
         self._steps_begun += 1
         before, self._worker_at_step = self._worker_at_step, (self.worker.busy_s, self.worker.wait_s)
-        if self._steps_begun == _SPLIT_DECIDED_AFTER + 1 and self.embedding is not None:
+        if self._steps_begun == _SPLIT_DECIDED_AFTER + 1 and self.embedding is not None and self.schedule == "backward":
             self._decide_split(self._worker_at_step[0] - before[0], self._worker_at_step[1] - before[1])
 
     def _decide_split(self, busy: float, waiting: float) -> None:
@@ -742,7 +751,7 @@ class SlideEngine:
                 " its backward pass began, but no gradient reached the embedding in that pass (is its output detached"
                 " from the loss?). Use SlideFormerStrategy(update_schedule='forward') for such a model."
             )
-        self.router.flush(self._plan if self.schedule == "backward" else None)
+        self.router.flush(self._plan if self._streams() else None)
         if self.schedule == "forward":
             self.router.drain()
             self.worker.drain()
@@ -750,7 +759,34 @@ class SlideEngine:
                 if p.dtype == torch.float32 or getattr(p, "grad_dtype", p.dtype) is None:  # see setup
                     p.grad = self.router.host[p]
 
+    def _streams(self) -> bool:
+        # updates run as gradients arrive (the step's last backward pass, where a schedule has several)
+        return self.schedule != "forward"
+
+    def start_norm_pass(self) -> None:
+        """ "norm-first": the backward pass about to run only sums the gradients' squares (``router.measure``); the
+        graph must be retained for the second one."""
+        self._measuring = True
+        if self.activations is not None:
+            self.activations.keep = True
+
+    def end_norm_pass(self, max_norm: float) -> bool:
+        """ "norm-first": the first backward pass is done; set the clipping of the second one from the global norm.
+
+        Returns:
+            whether the second pass should run (``False``: a non-finite norm and ``on_nonfinite="skip"``).
+        """
+        self._measuring = False
+        if self.activations is not None:
+            self.activations.keep = False
+        self.router.flush_measure()
+        self._norm_first_max = max_norm
+        self._plan.norm = self._clip_by(self.router.global_norm(self._update_order_params()), max_norm)
+        return not self._plan.skip
+
     def _check_clip(self, kind: str) -> None:
+        if self.schedule == "norm-first" and kind == "norm":
+            return
         if self.schedule != "forward":
             raise RuntimeError(
                 f"Gradient clipping by {kind} was requested, but the 'backward' update schedule has already applied"
@@ -761,7 +797,17 @@ class SlideEngine:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip by the global 2-norm, exactly as ``torch.nn.utils.clip_grad_norm_``; returns the norm."""
         self._check_clip("norm")
-        total = self.router.global_norm(self._update_order_params())
+        if self.schedule == "norm-first":  # applied already, by the second backward pass
+            if max_norm != self._norm_first_max:
+                raise RuntimeError(
+                    f"update_schedule='norm-first' clipped this step at {self._norm_first_max} (Trainer's"
+                    f" gradient_clip_val when the backward ran), but clipping was asked at {max_norm}. Change the"
+                    " clipping value through Trainer(gradient_clip_val=...) only, or use update_schedule='forward'."
+                )
+            return self._plan.norm
+        return self._clip_by(self.router.global_norm(self._update_order_params()), max_norm)
+
+    def _clip_by(self, total: float, max_norm: float) -> float:
         if not math.isfinite(total):
             if self.on_nonfinite == "skip":
                 log.warning("Skipping optimizer step %d: the gradient norm is %s.", self._plan.step, total)
@@ -793,12 +839,11 @@ class SlideEngine:
         self.router.drain()
         # NOTE: torch's LR schedulers warn unless the optimizer's step() ran; the engine applied it instead.
         self.optimizer.optimizer._opt_called = True
-        if self.schedule == "forward":
-            if plan.skip:
-                self.router.discard()
-            else:
-                for unit in self._update_order():
-                    self.router.schedule_update(unit, plan, check_finite=not plan.norm_checked)
+        if plan.skip:
+            self.router.discard()
+        elif self.schedule == "forward":
+            for unit in self._update_order():
+                self.router.schedule_update(unit, plan, check_finite=not plan.norm_checked)
         self.router.end_window()
 
     def wait(self) -> None:

@@ -2,9 +2,10 @@
 
 Two ways a gradient can go, chosen per run by the engine:
 
-- **streamed** (update schedule "backward", no accumulation): each chunk of a gradient lands in a small pinned
-  buffer from a pool and the CPU worker applies the optimizer to the matching rows of the parameter at once.
-  No full gradient ever exists in host memory.
+- **streamed** (update schedules "backward" and "norm-first", no accumulation): each chunk of a gradient lands in a
+  small pinned buffer from a pool and the CPU worker applies the optimizer to the matching rows of the parameter
+  at once. No full gradient ever exists in host memory. ("norm-first" runs a backward pass before, whose gradients
+  only add their squares up on the device: ``measure``.)
 - **retained** (accumulation, or update schedule "forward" for exact global-norm clipping): gradients are kept
   in host buffers for the whole accumulation window. The first contribution is copied straight into them,
   later ones are added by the worker; the update runs once the window is complete.
@@ -57,6 +58,7 @@ class StepPlan:
     grad_scale: Tensor | None = None  # clipping by norm: gradients are divided by this
     clip_value: float | None = None  # clipping by value
     norm_checked: bool = False  # the global norm was found finite
+    norm: float = 0.0  # "norm-first": the global norm of the first backward pass
     skip: bool = False  # non-finite norm and on_nonfinite="skip": apply nothing
 
 
@@ -119,6 +121,38 @@ class GradRouter:
             if owner is unit:
                 ready.append((owner, param, self._stash.pop(param)))
         self._enqueue(ready, plan)
+
+    def measure(self, unit: Unit, grads: dict[int, Contribution]) -> None:
+        """Sum the squares of ``unit``'s gradients on the device, as :meth:`global_norm` reads them, and drop the
+        gradients ("norm-first": the step's first backward pass). Shared parameters wait for their owner as in
+        :meth:`push`."""
+        for i, grad in grads.items():
+            param, owner = unit.params[i], unit.owner[i]
+            self._owner_of[param] = owner
+            self._stash.setdefault(param, []).append(grad)
+            if owner is unit:
+                self._measure_param(param, self._stash.pop(param))
+
+    def flush_measure(self) -> None:
+        """The first backward pass is over: measure contributions whose owner's backward did not run."""
+        for param, contributions in list(self._stash.items()):
+            self._measure_param(param, contributions)
+        self._stash.clear()
+
+    def _measure_param(self, param: nn.Parameter, contributions: list[Contribution]) -> None:
+        # summed over chunks of rows (an fp32 copy of the whole gradient could be GiBs), as _send_param does
+        rows = param.shape[0] if param.dim() else 1
+        step = max(1, self.transfer.chunk_numel // (param.numel() // rows))
+        total = torch.zeros((), dtype=torch.float32, device=self.transfer.device)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            cut = slice(r0, r1) if param.dim() else None
+            stage = torch.empty((r1 - r0, *param.shape[1:]) if param.dim() else (), device=self.transfer.device)
+            _combine(stage, contributions, cut)
+            flat = stage.view(-1)
+            total += torch.dot(flat, flat)
+        self._device_sq[param] = total
+        self.pending.add(param)
 
     def flush(self, plan: StepPlan | None) -> None:
         """Send contributions still waiting for an owner whose backward did not run (e.g. an unused embedding)."""
@@ -207,7 +241,7 @@ class GradRouter:
         if streamed:
             self.optimizer.prefetch([p for _, p, _ in ready])
         with tr.converting(event):
-            if streamed:
+            if streamed and not plan.norm_checked:  # "norm-first" found the norm finite
                 for owner in owners:
                     flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
                     self.worker.submit(_check_finite, flag, plan.step, owner.name, after=flag_event)
@@ -329,7 +363,7 @@ class GradRouter:
             hypers = plan.hypers[self.optimizer.group_index(param)]
             if cut is None or cut.start == 0:
                 self.optimizer.begin(param, hypers)
-            self.optimizer.update([param], [grad], hypers, rows=[cut])
+            self.optimizer.update([param], [grad], hypers, rows=[cut], grad_scale=plan.grad_scale)
             if last:
                 self.optimizer.end(param)
         finally:

@@ -134,12 +134,18 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
             " free there. Free disk space, or give nvme_path a larger disk."
         )
     if plan.added > available:
+        retained = (
+            f" or keep the step's fp32 gradients out of RAM ({plan.retained_grads / GIB:.2f} GiB; gradient"
+            " accumulation and update_schedule='forward' keep them there): drop accumulation, and clip with"
+            " update_schedule='norm-first';"
+            if plan.retained_grads
+            else ""
+        )
         raise MemoryError(
             f"SlideFormer needs {plan.added / GIB:.2f} GiB more host memory but only {available / GIB:.2f} GiB is"
             f" available ({plan.describe()}). Move the optimizer state to disk (SlideFormerStrategy(nvme_path=...)"
             " or $SLIDE_NVME_PATH: optimizer_offload='auto' then puts it there), train fewer parameters (LoRA:"
-            " CausalLMModule(lora=...)), or drop gradient clipping and accumulation (they keep a full fp32 copy of"
-            f" the gradients: {plan.retained_grads / GIB:.2f} GiB); or free RAM."
+            f" CausalLMModule(lora=...)),{retained} or free RAM."
         )
     if memlock is not None and plan.pinned > memlock:
         raise MemoryError(
