@@ -147,7 +147,8 @@ class GradRouter:
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             cut = slice(r0, r1) if param.dim() else None
-            stage = torch.empty((r1 - r0, *param.shape[1:]) if param.dim() else (), device=self.transfer.device)
+            shape = (r1 - r0, *param.shape[1:]) if param.dim() else ()
+            stage = torch.empty(shape, dtype=torch.float32, device=self.transfer.device)
             _combine(stage, contributions, cut)
             flat = stage.view(-1)
             total += torch.dot(flat, flat)
