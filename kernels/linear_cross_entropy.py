@@ -377,11 +377,12 @@ def _one_pass(hidden: Tensor, weight: Tensor, opts: CEOptions, wants: tuple[bool
         return True
     rows = next(_token_chunks(n, vocab))[1]
     need = 4 * (vocab + n) * hidden.shape[1] + weight.element_size() * rows * vocab
-    return need <= _device_room(hidden.device)
+    return need <= device_room(hidden.device)
 
 
-def _device_room(device: torch.device) -> int:
-    # what the caching allocator may still hand out, within the process's memory fraction
+def device_room(device: torch.device) -> int:
+    """Bytes the caching allocator may still hand out on the CUDA ``device``: its free memory and cached blocks,
+    within the process's cap (``torch.cuda.set_per_process_memory_fraction``)."""
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)

@@ -198,7 +198,7 @@ def test_cuda_one_pass_only_where_the_gpu_has_room(monkeypatch, room):
     calls = []
     walk = flce.flce_one_pass
     monkeypatch.setattr(flce, "flce_one_pass", lambda *a: calls.append(1) or walk(*a))
-    monkeypatch.setattr(flce, "_device_room", lambda device: room)
+    monkeypatch.setattr(flce, "device_room", lambda device: room)
     n, h, v = flce.ONE_PASS_MIN_TOKENS, 256, 1000
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -158,6 +158,8 @@ class SlideEngine:
         ]
         self._check_leftovers()
         self._assign_owners()
+        # parameters more than one unit computes with (tied embeddings)
+        self._shared = {p for u in self.units for p, o in zip(u.params, u.owner) if o is not u}
         self.optimizer = CpuOptimizer(optimizer) if optimizer is not None else None
         if nvme_path is not None and self.optimizer is not None and self.optimizer.is_sgd:
             raise ValueError(
@@ -711,8 +713,8 @@ class SlideEngine:
     def _decide_split(self, busy: float, waiting: float) -> None:
         # "auto": split when, in the last step, the worker waited for the GPU at least as long as the embedding's
         # update took (its share of the parameters, of the worker's busy time: the updates are bound by RAM bandwidth)
-        owned = [p for u in self.units for p, o in zip(u.params, u.owner) if o is u and p.requires_grad]
-        share = self.embedding.params[0].numel() / max(1, sum(p.numel() for p in owned))
+        trainable = sum(p.numel() for _, params in self._state_units() for p in params)
+        share = self.embedding.params[0].numel() / max(1, trainable)
         self._split_pays = waiting >= share * busy
         log.info(
             "SlideFormer %s the embedding's update in two parts: in the last step the CPU worker waited %.3f s for"
@@ -738,7 +740,7 @@ class SlideEngine:
             and not self._retain
             and self.optimizer.store is None
             and self.wants_grad(unit, 0)
-            and not any(unit.params[0] is p for u in self.units if u is not unit for p in u.params)
+            and unit.params[0] not in self._shared
         )
 
     def grads_ready(self) -> None:
@@ -833,7 +835,6 @@ class SlideEngine:
     def finish_step(self) -> None:
         """End of ``optimizer_step``: with the "forward" schedule, queue the updates in forward order."""
         plan, self._plan = self._plan, None
-        self._touched = []
         # NOTE: with the "backward" schedule, the sender queues each unit's update; the next forward must see
         # them all queued before it waits on them.
         self.router.drain()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -141,13 +142,8 @@ class GradRouter:
 
     def _measure_param(self, param: nn.Parameter, contributions: list[Contribution]) -> None:
         # summed over chunks of rows (an fp32 copy of the whole gradient could be GiBs), as _send_param does
-        rows = param.shape[0] if param.dim() else 1
-        step = max(1, self.transfer.chunk_numel // (param.numel() // rows))
         total = torch.zeros((), dtype=torch.float32, device=self.transfer.device)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            cut = slice(r0, r1) if param.dim() else None
-            shape = (r1 - r0, *param.shape[1:]) if param.dim() else ()
+        for cut, shape, _ in self._chunks(param):
             stage = torch.empty(shape, dtype=torch.float32, device=self.transfer.device)
             _combine(stage, contributions, cut)
             flat = stage.view(-1)
@@ -264,20 +260,14 @@ class GradRouter:
         self, owner: Unit, param: nn.Parameter, contribs: list[Contribution], plan: StepPlan | None
     ) -> None:
         tr = self.transfer
-        rows = param.shape[0] if param.dim() else 1
-        row_numel = param.numel() // rows
-        step_rows = self.optimizer.chunk_rows(param, tr.chunk_numel)  # with the NVMe tier, its blocks
         direct = self.retain and self._take_fresh(owner, param)
         if direct:
             self._device_sq[param] = torch.zeros((), dtype=torch.float32, device=tr.device)
         else:
             self._device_sq.pop(param, None)
-        for r0 in range(0, rows, step_rows):
-            r1 = min(rows, r0 + step_rows)
-            cut = slice(r0, r1) if param.dim() else None
-            shape = (r1 - r0, *param.shape[1:]) if param.dim() else ()
+        for cut, shape, last in self._chunks(param):
             landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
-            stage = tr.down_stage((r1 - r0) * row_numel).view(shape)
+            stage = tr.down_stage(math.prod(shape)).view(shape)
             _combine(stage, contribs, cut)
             if direct:
                 flat = stage.view(-1)
@@ -286,9 +276,21 @@ class GradRouter:
             event = tr.download(stage, target)
             self.download_bytes += 4 * stage.numel()
             if plan is not None:
-                self.worker.submit(self._apply_chunk, param, cut, landing, target, plan, r1 == rows, after=event)
+                self.worker.submit(self._apply_chunk, param, cut, landing, target, plan, last, after=event)
             else:
                 self.worker.submit(self._absorb_chunk, param, cut, landing, target, after=event)
+
+    def _chunks(self, param: nn.Parameter) -> Iterator[tuple[slice | None, tuple[int, ...], bool]]:
+        """``param``'s gradient in chunks of leading rows (with the NVMe tier, its blocks): each chunk's rows
+        (``None`` for a scalar), shape, and whether it is the last."""
+        rows = param.shape[0] if param.dim() else 1
+        step = self.optimizer.chunk_rows(param, self.transfer.chunk_numel)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            if not param.dim():
+                yield None, (), True
+            else:
+                yield slice(r0, r1), (r1 - r0, *param.shape[1:]), r1 == rows
 
     def _send_rows(self, split: RowSplit, contribs: list[Contribution], plan: StepPlan) -> None:
         # the touched rows' gradients only, in the order of split.index, chunk by chunk to the worker

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.linear_cross_entropy import device_room
 from .nvme import READ_AHEAD_BYTES, page_aligned, row_numel, rows_per_block
 
 GIB = 2**30
@@ -166,14 +167,8 @@ _DEVICE_MARGIN = 0.95  # of the budget: the allocator's rounding and fragmentati
 
 
 def device_budget(device: torch.device) -> int | None:
-    """Bytes the caching allocator may still hand out on ``device``: its free memory and cached blocks, within the
-    process's cap (``torch.cuda.set_per_process_memory_fraction``); ``None`` off CUDA."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    cap = int(torch.cuda.get_per_process_memory_fraction(device) * total)
-    return min(free + torch.cuda.memory_reserved(device) - allocated, cap - allocated)
+    """:func:`~lightning_slide.kernels.linear_cross_entropy.device_room` on CUDA; ``None`` off CUDA."""
+    return device_room(device) if device.type == "cuda" else None
 
 
 def _room_for_inputs(saved_bytes: int, budget: int, reserved_bytes: int) -> int:
