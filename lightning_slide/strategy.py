@@ -293,6 +293,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
+        self.engine.hooks_read_grads = _hooks_read_grads(trainer, module)
         self.engine.setup(self._loaded_masters)
         self._loaded_masters = {}
         if self.install_loss and layout.causal_lm is not None:
@@ -482,6 +483,14 @@ def _norm_first_refusal(trainer: Any, module: LightningModule) -> str | None:
     if trainer.accumulate_grad_batches > 1:
         return "keeps no gradients between micro-batches and cannot accumulate them"
     return None
+
+
+def _hooks_read_grads(trainer: Any, module: LightningModule) -> bool:
+    """Whether the module or a callback overrides a hook that sees ``param.grad`` between backward and step."""
+    hooks = ("on_after_backward", "on_before_optimizer_step")
+    return any(is_overridden(h, module) for h in hooks + ("configure_gradient_clipping",)) or any(
+        is_overridden(h, cb) for cb in trainer.callbacks for h in hooks
+    )
 
 
 def _check_nvme_path(path: str | None) -> str:

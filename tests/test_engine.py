@@ -82,12 +82,15 @@ class _NaNAt(CausalLM):
         return loss
 
 
-@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (1.0, 1), (None, 2)])
-def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate):
-    # streamed (checked on the device), clipped (the global norm), retained (checked on the host, grads.py)
+@pytest.mark.parametrize(
+    ("clip", "accumulate", "schedule"), [(None, 1, "auto"), (1.0, 1, "auto"), (None, 2, "auto"), (None, 1, "forward")]
+)
+def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate, schedule):
+    # streamed (checked on the device), clipped (the global norm), retained (checked on the host, grads.py; with
+    # "forward", the embedding's touched rows first)
     with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in '(model|the global)"):
-        fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=4, gradient_clip_val=clip,
-            accumulate_grad_batches=accumulate)  # fmt: skip
+        fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule), steps=4,
+            gradient_clip_val=clip, accumulate_grad_batches=accumulate)  # fmt: skip
 
 
 def test_nonfinite_step_can_be_skipped_with_clipping():
@@ -461,3 +464,41 @@ def test_auto_clips_with_norm_first_when_the_gradients_would_not_fit_ram(monkeyp
         _, module = fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), steps=1, gradient_clip_val=0.5,
                         callbacks=[Plans()])  # fmt: skip
     assert "update_schedule='norm-first'" in caplog.text
+
+
+class _ReadsGrads(L.Callback):
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "strategy_kwargs", "callbacks", "splits"),
+    [
+        (dict(gradient_clip_val=0.05), {}, [], True),  # clipping by norm that triggers: schedule "forward"
+        (dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), {}, [], True),
+        ({}, dict(update_schedule="forward"), [], True),  # no clipping: the rows checked for NaN/Inf on the host
+        (dict(gradient_clip_val=0.05), {}, [_ReadsGrads()], False),  # a hook sees param.grad
+        (dict(gradient_clip_val=0.05), dict(on_nonfinite="skip"), [], False),
+        (dict(gradient_clip_val=0.05, accumulate_grad_batches=2), {}, [], False),
+        pytest.param(dict(gradient_clip_val=0.05, accelerator="gpu"), {}, [], True, marks=pytest.mark.gpu),
+    ],
+)
+def test_forward_schedule_updates_the_embedding_in_two_parts_exactly(
+    monkeypatch, kwargs, strategy_kwargs, callbacks, splits
+):
+    # the rows no token touched are updated while the backward runs; the touched ones keep their gradients in a
+    # buffer of their own until the global norm is known (rows.py, grads.py)
+    from lightning_slide.engine import engine as engine_module
+    from lightning_slide.engine.grads import GradRouter
+
+    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
+    started = []
+    start = GradRouter.start_split
+    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a: started.append(1) or start(self, *a))
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, "auto", **kwargs)
+    strategy = SlideFormerStrategy(num_slots=2, **strategy_kwargs)
+    ours, _ = fit(module, strategy, callbacks=callbacks, **kwargs)
+    assert len(started) == (6 if splits else 0)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"

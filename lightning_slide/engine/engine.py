@@ -183,6 +183,10 @@ class SlideEngine:
         self._max_queued_grad_bytes = max_queued_grad_bytes
         self._cpu_threads = cpu_threads
         self._retain = retain_grads or schedule == "forward"
+        self._accumulates = retain_grads
+        # NOTE: user hooks may read or change ``param.grad`` (on_after_backward, on_before_optimizer_step, their
+        # own clipping); the strategy clears this when none is overridden. See _splits_embedding.
+        self.hooks_read_grads = True
         self._offload_activations = offload_activations
         self.activations: ActivationStash | None = None
         self.offloading: int | None = 0  # the first blocks whose inputs go to the host; None: "auto", undecided
@@ -730,14 +734,28 @@ class SlideEngine:
             self.router.start_split(self.embedding.params[0], torch.unique(torch.cat(touched)), self._plan)
 
     def _splits_embedding(self) -> bool:
-        # streamed updates ("backward" schedule, no accumulation) of an embedding in RAM that nothing else uses
+        # an embedding in RAM that nothing else uses, one backward pass per step, and either
+        # - streamed updates ("backward" schedule): "auto" splits where the worker has time for the split (it then
+        #   takes the embedding's update off the end of the step, but gathers and scatters the touched rows), or
+        # - the "forward" schedule: "auto" always splits. The bulk runs while the worker waits for the backward, and
+        #   the step no longer starts with the whole embedding's update (0.13 s at 32k, bench_core.py) nor keeps its
+        #   whole gradient in RAM. Its gradient is then not a `param.grad`, so only where no hook reads those; and
+        #   not with on_nonfinite="skip": a skipped step must not have updated the untouched rows.
         unit = self.embedding
-        wanted = SPLIT_EMBEDDING_UPDATE is True or (SPLIT_EMBEDDING_UPDATE == "auto" and bool(self._split_pays))
+        auto = self.schedule == "forward" or bool(self._split_pays)
+        if self.schedule == "backward":
+            schedule_allows = not self._retain
+        else:
+            schedule_allows = (
+                self.schedule == "forward"
+                and not self._accumulates
+                and self.on_nonfinite == "raise"
+                and not self.hooks_read_grads
+            )
         return (
-            wanted
+            (SPLIT_EMBEDDING_UPDATE is True or (SPLIT_EMBEDDING_UPDATE == "auto" and auto))
+            and schedule_allows
             and self._plan is not None
-            and self.schedule == "backward"
-            and not self._retain
             and self.optimizer.store is None
             and self.wants_grad(unit, 0)
             and unit.params[0] not in self._shared
@@ -751,13 +769,16 @@ class SlideEngine:
             raise RuntimeError(
                 f"SlideFormer updated the rows of '{self.embedding.name}' that the step's tokens did not touch when"
                 " its backward pass began, but no gradient reached the embedding in that pass (is its output detached"
-                " from the loss?). Use SlideFormerStrategy(update_schedule='forward') for such a model."
+                " from the loss?). If it is not meant to train, freeze it or leave it out of the optimizer; else set"
+                " lightning_slide.engine.engine.SPLIT_EMBEDDING_UPDATE = False."
             )
         self.router.flush(self._plan if self._streams() else None)
         if self.schedule == "forward":
             self.router.drain()
             self.worker.drain()
             for p in self.router.pending:
+                if split is not None and p is split.param:  # its touched rows only, in a buffer of their own
+                    continue
                 if p.dtype == torch.float32 or getattr(p, "grad_dtype", p.dtype) is None:  # see setup
                     p.grad = self.router.host[p]
 

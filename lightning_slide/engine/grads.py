@@ -91,6 +91,7 @@ class GradRouter:
         self._device_sq: dict[nn.Parameter, Tensor] = {}
         self.split: RowSplit | None = None  # this step's two-part embedding update (rows.py)
         self._row_scratch: dict[str, Tensor] = {}  # its host buffers, kept across steps
+        self._rows_grad: Tensor | None = None  # the touched rows' gradients, kept for the "forward" schedule
         self.download_bytes = 0
         self._flags: dict[Unit, Tensor] = {}
         self.max_queued_bytes = max_queued_bytes
@@ -171,8 +172,9 @@ class GradRouter:
         """Update ``param``'s rows outside ``index`` now, and those in it when their gradients arrive (rows.py)."""
         if self.split is not None:
             raise RuntimeError(
-                "The input embedding ran forward again after the step's backward pass began; the 'backward' update"
-                " schedule cannot apply that exactly. Use SlideFormerStrategy(update_schedule='forward')."
+                "The input embedding ran forward again after the step's backward pass began, when SlideFormer had"
+                " updated the rows the step had not touched so far. Run every forward of a step before its"
+                " backward, or set lightning_slide.engine.engine.SPLIT_EMBEDDING_UPDATE = False."
             )
         self.split = RowSplit(param, index, self.transfer.chunk_numel, self._row_scratch)
         hypers = plan.hypers[self.optimizer.group_index(param)]
@@ -243,8 +245,8 @@ class GradRouter:
                     flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
                     self.worker.submit(_check_finite, flag, plan.step, owner.name, after=flag_event)
             for owner, param, contributions in ready:
-                if streamed and self.split is not None and param is self.split.param:
-                    self._send_rows(self.split, contributions, plan)
+                if self.split is not None and param is self.split.param:
+                    self._send_rows(self.split, contributions, plan if streamed else None)
                 else:
                     self._send_param(owner, param, contributions, plan if streamed else None)
                 for c in contributions:
@@ -292,8 +294,10 @@ class GradRouter:
             else:
                 yield slice(r0, r1), (r1 - r0, *param.shape[1:]), r1 == rows
 
-    def _send_rows(self, split: RowSplit, contribs: list[Contribution], plan: StepPlan) -> None:
-        # the touched rows' gradients only, in the order of split.index, chunk by chunk to the worker
+    def _send_rows(self, split: RowSplit, contribs: list[Contribution], plan: StepPlan | None) -> None:
+        """The touched rows' gradients only, in the order of ``split.index``, chunk by chunk: to the worker's update
+        (``plan``: streamed updates), or into a host buffer kept for the update at the end of the step (the
+        "forward" schedule; their squares summed on the device for the global norm)."""
         tr = self.transfer
         if len(contribs) == 1:
             index, values = contribs[0].index, contribs[0].values
@@ -307,17 +311,35 @@ class GradRouter:
                 f"Internal error: the embedding's gradient has {len(index)} rows, but its forward passes gathered"
                 f" {len(split.index)}."
             )
-        hypers = plan.hypers[self.optimizer.group_index(split.param)]
+        if plan is None:
+            flat = values.view(-1)
+            self._device_sq[split.param] = torch.dot(flat, flat)
+            split.grad = self._kept_rows(values.shape)
+        else:
+            hypers = plan.hypers[self.optimizer.group_index(split.param)]
         for lo in range(0, len(index), split.rows_per_chunk):
             hi = min(len(index), lo + split.rows_per_chunk)
-            landing = tr.take_landing(self.worker.raise_if_failed)
+            landing = None if plan is None else tr.take_landing(self.worker.raise_if_failed)
             stage = tr.down_stage(values[lo:hi].numel()).view(values[lo:hi].shape)
             stage.copy_(values[lo:hi])
-            target = landing[: stage.numel()].view(stage.shape)
+            target = split.grad[lo:hi] if plan is None else landing[: stage.numel()].view(stage.shape)
             event = tr.download(stage, target)
             self.download_bytes += 4 * stage.numel()
-            self.worker.submit(self._apply_rows, split, lo, hi, landing, target, hypers, after=event)
-        self.worker.submit(self.optimizer.end, split.param)
+            if plan is not None:
+                self.worker.submit(self._apply_rows, split, lo, hi, landing, target, hypers, after=event)
+        if plan is None:
+            self.worker.submit(lambda: None, after=event)  # the update, queued later, finds the rows landed
+        else:
+            self.worker.submit(self.optimizer.end, split.param)
+
+    def _kept_rows(self, shape: tuple[int, ...]) -> Tensor:
+        # pinned, kept across steps; a step with more distinct tokens than any before takes a larger one
+        numel = math.prod(shape)
+        if self._rows_grad is None or self._rows_grad.numel() < numel:
+            if self._rows_grad is not None:
+                self.transfer.release(self._rows_grad)
+            self._rows_grad = self.transfer.host_empty(numel + numel // 4)
+        return self._rows_grad[:numel].view(shape)
 
     def _apply_rows(self, split: RowSplit, lo: int, hi: int, landing: Tensor, grad: Tensor, hypers: Hypers) -> None:
         try:
@@ -393,7 +415,12 @@ class GradRouter:
         owner.version += 1
         if not streamed:
             self.optimizer.prefetch(params)
-        task = (lambda: None,) if streamed else (self._update, owner.name, params, plan, check_finite)
+        if streamed:
+            task = (lambda: None,)
+        elif self.split is not None and len(params) == 1 and params[0] is self.split.param:
+            task = (self._update_rows, owner.name, self.split, plan, check_finite)
+        else:
+            task = (self._update, owner.name, params, plan, check_finite)
         owner.update_done = self.worker.submit(*task)
 
     def discard(self) -> None:
@@ -416,6 +443,19 @@ class GradRouter:
             norms = torch._foreach_norm([self.host[p] for p in on_host], 2.0)
             squares.update((p, float(n) ** 2) for p, n in zip(on_host, norms))
         return math.sqrt(sum(squares[p] for p in params))
+
+    def _update_rows(self, name: str, split: RowSplit, plan: StepPlan, check_finite: bool) -> None:
+        # the touched rows of a split embedding (their gradients kept by _send_rows); the rest had their update
+        grad = split.grad
+        if check_finite and not torch.isfinite(torch.linalg.vector_norm(grad)):
+            raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
+        if plan.clip_value is not None:
+            grad.clamp_(-plan.clip_value, plan.clip_value)
+        hypers = plan.hypers[self.optimizer.group_index(split.param)]
+        for lo in range(0, len(grad), split.rows_per_chunk):
+            hi = min(len(grad), lo + split.rows_per_chunk)
+            split.apply(self.optimizer, lo, hi, grad[lo:hi], hypers, plan.grad_scale)
+        self.optimizer.end(split.param)
 
     def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
         grads = [self.host[p] for p in params]

@@ -170,13 +170,15 @@ class CpuOptimizer:
         shaped = {k: v for k, v in state.items() if isinstance(v, Tensor) and v.shape == param.shape and k != "step"}
         return {"param": param.data, **shaped}
 
-    def update_gathered(self, param: Tensor, rows: dict[str, Tensor], grad: Tensor, hypers: Hypers) -> None:
+    def update_gathered(
+        self, param: Tensor, rows: dict[str, Tensor], grad: Tensor, hypers: Hypers, grad_scale: Tensor | None = None
+    ) -> None:
         """Apply the update to rows gathered from :meth:`state_like` (same keys), in place, after :meth:`begin`."""
         if self.is_sgd:
             bufs = [rows["momentum_buffer"]] if hypers.momentum != 0 else []
-            self._sgd([rows["param"]], [grad], bufs, hypers, self._sgd_first[param], None)
+            self._sgd([rows["param"]], [grad], bufs, hypers, self._sgd_first[param], grad_scale)
             return
-        self._adam([rows["param"]], [grad], [rows], [self.optimizer.state[param]["step"]], hypers, None)
+        self._adam([rows["param"]], [grad], [rows], [self.optimizer.state[param]["step"]], hypers, grad_scale)
 
     @staticmethod
     def _sgd(ps, grads, bufs, hypers: Hypers, first: bool, grad_scale) -> None:

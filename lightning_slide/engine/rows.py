@@ -41,6 +41,7 @@ class RowSplit:
         self.index = index
         self.rows_per_chunk = max(1, chunk_numel // param[0].numel())
         self.received = False  # the touched rows' gradients reached the router
+        self.grad: Tensor | None = None  # the "forward" schedule: those gradients, kept on the host (grads.py)
         self._scratch = scratch
 
     def _buffer(self, name: str) -> Tensor:
@@ -67,11 +68,14 @@ class RowSplit:
             for k, t in tensors.items():
                 t.index_copy_(0, keep, saved[k])
 
-    def apply(self, optimizer: CpuOptimizer, lo: int, hi: int, grad: Tensor, hypers: Hypers) -> None:
-        """The update of touched rows ``index[lo:hi]`` with their gradient ``grad`` (on the CPU worker)."""
+    def apply(
+        self, optimizer: CpuOptimizer, lo: int, hi: int, grad: Tensor, hypers: Hypers, grad_scale: Tensor | None = None
+    ) -> None:
+        """The update of touched rows ``index[lo:hi]`` with their gradient ``grad`` (divided by ``grad_scale``: the
+        clipping coefficient), on the CPU worker."""
         keep = self.index[lo:hi]
         tensors = optimizer.state_like(self.param)
         gathered = self._gather(tensors, keep)
-        optimizer.update_gathered(self.param, gathered, grad, hypers)
+        optimizer.update_gathered(self.param, gathered, grad, hypers, grad_scale)
         for k, t in tensors.items():
             t.index_copy_(0, keep, gathered[k])

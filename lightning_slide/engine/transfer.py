@@ -226,10 +226,13 @@ class Transfer:
     def drop_landing(self, keep: int) -> None:
         """Free all but ``keep`` of the landing buffers (call while none is in use)."""
         while self._landing.qsize() > keep:
-            buffer = self._landing.get_nowait()
-            registered = next((i for i, r in enumerate(self._registered) if r.data_ptr() == buffer.data_ptr()), None)
-            if registered is not None:
-                _cuda_unregister(self._registered.pop(registered).data_ptr())
+            self.release(self._landing.get_nowait())
+
+    def release(self, buffer: Tensor) -> None:
+        """Unpin a buffer from :meth:`host_empty` that no copy uses any more (it is freed with its last tensor)."""
+        registered = next((i for i, r in enumerate(self._registered) if r.data_ptr() == buffer.data_ptr()), None)
+        if registered is not None:
+            _cuda_unregister(self._registered.pop(registered).data_ptr())
 
 
 class _StagingRing:
