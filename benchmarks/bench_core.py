@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import logging
 import os
 import statistics
 import time
@@ -327,6 +328,8 @@ def run_floor(layers: int, threads: int, repeats: int = 3):
 
 
 def main() -> None:
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("lightning_slide").setLevel(logging.INFO)  # the engine's choices: split, offload, plan
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
