@@ -254,6 +254,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 offload_activations=self.offload_activations,
                 nvme_path=nvme_path,
                 nvme_masters=self.nvme_masters,
+                hooks_read_grads=_hooks_read_grads(trainer, module),
             )
 
         self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
@@ -293,7 +294,6 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
-        self.engine.hooks_read_grads = _hooks_read_grads(trainer, module)
         self.engine.setup(self._loaded_masters)
         self._loaded_masters = {}
         if self.install_loss and layout.causal_lm is not None:

@@ -110,6 +110,9 @@ class SlideEngine:
             those parameters then hold their compute-dtype copy (bf16: 2 bytes per parameter in RAM instead of 4),
             which the updates refresh. Their fp32 values come back into the parameters when training ends, when
             RAM allows (see :meth:`teardown`).
+        hooks_read_grads: user code may read or change ``param.grad`` between backward and step (an overridden
+            ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``); with the
+            "forward" schedule the gradients are then shown there, and the embedding's update is not split.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class SlideEngine:
         offload_activations: bool | Literal["auto"] = False,
         nvme_path: str | None = None,
         nvme_masters: bool = False,
+        hooks_read_grads: bool = True,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -184,9 +188,7 @@ class SlideEngine:
         self._cpu_threads = cpu_threads
         self._retain = retain_grads or schedule == "forward"
         self._accumulates = retain_grads
-        # NOTE: user hooks may read or change ``param.grad`` (on_after_backward, on_before_optimizer_step, their
-        # own clipping); the strategy clears this when none is overridden. See _splits_embedding.
-        self.hooks_read_grads = True
+        self.hooks_read_grads = hooks_read_grads
         self._offload_activations = offload_activations
         self.activations: ActivationStash | None = None
         self.offloading: int | None = 0  # the first blocks whose inputs go to the host; None: "auto", undecided
@@ -742,19 +744,16 @@ class SlideEngine:
         #   whole gradient in RAM. Its gradient is then not a `param.grad`, so only where no hook reads those; and
         #   not with on_nonfinite="skip": a skipped step must not have updated the untouched rows.
         unit = self.embedding
-        auto = self.schedule == "forward" or bool(self._split_pays)
         if self.schedule == "backward":
-            schedule_allows = not self._retain
+            allowed, pays = not self._retain, bool(self._split_pays)
+        elif self.schedule == "forward":
+            allowed = not self._accumulates and self.on_nonfinite == "raise" and not self.hooks_read_grads
+            pays = True
         else:
-            schedule_allows = (
-                self.schedule == "forward"
-                and not self._accumulates
-                and self.on_nonfinite == "raise"
-                and not self.hooks_read_grads
-            )
+            return False
         return (
-            (SPLIT_EMBEDDING_UPDATE is True or (SPLIT_EMBEDDING_UPDATE == "auto" and auto))
-            and schedule_allows
+            (SPLIT_EMBEDDING_UPDATE is True or (SPLIT_EMBEDDING_UPDATE == "auto" and pays))
+            and allowed
             and self._plan is not None
             and self.optimizer.store is None
             and self.wants_grad(unit, 0)
@@ -763,7 +762,7 @@ class SlideEngine:
 
     def grads_ready(self) -> None:
         """The step's backward is done. With the "forward" schedule, wait until every gradient is on the host
-        and show them as ``param.grad`` (hooks and clipping read them there)."""
+        and show them as ``param.grad`` (hooks and clipping read them there), but for a split embedding's."""
         split = self.router.split if self.optimizer is not None else None
         if split is not None and not split.received:
             raise RuntimeError(

@@ -6,8 +6,9 @@ step's hyperparameters, not on the gradient, so it can run as soon as the step i
 
 - **bulk** (when the backward starts): every row's update with a zero gradient, chunk by chunk; the touched rows of
   each chunk are saved before and put back after, so they keep their state.
-- **touched rows** (when their gradients arrive, the last of the backward pass): only those rows move to the host,
-  and their update runs on them gathered, then they are scattered back.
+- **touched rows** (when their gradients arrive, the last of the backward pass; with the "forward" schedule, once
+  the global norm is known): only those rows move to the host, and their update runs on them gathered, then they
+  are scattered back.
 
 Both parts are the same elementwise kernel as one update of the whole matrix, on the same values, so the result is
 identical (tests/test_engine.py checks it bitwise). The embedding was the last update of the backward pass and the
