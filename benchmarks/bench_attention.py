@@ -1,7 +1,8 @@
 """Attention benchmark (GPU machine): our Triton flash attention against SDPA (flash and cuDNN backends, forced one
 at a time) and FlexAttention, causal, bf16, B=2, Hq=32, Hkv=8, D=128, in one run; plus a packed batch of 16
 documents of random lengths (16k tokens) against the dense kernel at the same total length and against the
-explicit-mask SDPA that Hugging Face falls back to for packed sequences.
+explicit-mask SDPA that Hugging Face falls back to for packed sequences; FlashAttention-2 (varlen) and
+FlexAttention run the packed batch too, beside their own dense runs at that length.
 
 TFLOP/s use 4*B*Hq*N^2*D, halved for causal, x3.5 for fwd+bwd; for packed batches only within-document work counts.
 Appends CSV rows to --out.
@@ -12,6 +13,7 @@ Appends CSV rows to --out.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -61,16 +63,54 @@ def dense_systems(q, k, v):
 
 
 def packed_systems(q, k, v, cu, max_len):
-    # q: (T, Hq, D) packed; the fallback is one (1, H, T, D) SDPA call with a block-diagonal causal mask
+    # q: (T, Hq, D) packed. Each kernel family runs packed and dense over the same total length, so its own
+    # packed/dense ratio can be set beside ours: FlashAttention-2's varlen kernel (torch's varlen_attn, where this
+    # torch has it) against SDPA-flash, FlexAttention with a document mask against its causal mask. The fallback
+    # Hugging Face takes is one (1, H, T, D) SDPA call with a block-diagonal causal mask.
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t = q.shape[0]
     doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), (cu[1:] - cu[:-1]).long())
-    pos = torch.arange(q.shape[0], device=q.device)
+    pos = torch.arange(t, device=q.device)
     mask = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
-    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    return {
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    flex = torch.compile(flex_attention)
+    doc_mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, t, t, device=q.device)
+    causal_mask = create_block_mask(lambda b, h, i, j: i >= j, None, None, t, t, device=q.device)
+
+    def sdpa_flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+
+    systems = {
         "ours_packed": lambda: flash_attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len),
         "ours_dense_same_length": lambda: flash_attention(q[None], k[None], v[None], causal=True),
+        "flex_packed": lambda: flex(qt, kt, vt, block_mask=doc_mask, enable_gqa=True),
+        "flex_dense_same_length": lambda: flex(qt, kt, vt, block_mask=causal_mask, enable_gqa=True),
+        "sdpa_flash_dense_same_length": sdpa_flash,
         "sdpa_explicit_mask": lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True),
     }
+    varlen = _fa2_varlen(q, k, v, cu, max_len)
+    if varlen is not None:
+        systems["fa2_varlen_packed"] = varlen
+    return systems
+
+
+def _fa2_varlen(q, k, v, cu, max_len):
+    # torch.nn.attention.varlen.varlen_attn (FlashAttention-2), whose keywords changed between torch releases
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        kv = {"enable_gqa": True}
+    else:  # no GQA in this torch: the kv heads are repeated beforehand (more reads, the same work)
+        group = q.shape[1] // k.shape[1]
+        k, v = (x.detach().repeat_interleave(group, 1).requires_grad_() for x in (k, v))
+        kv = {}
+    return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **kv)
 
 
 def main() -> None:
@@ -111,7 +151,7 @@ def main() -> None:
     useful = sum(4 * HQ * n * n * D / 2 for n in lengths)  # within-document work only
     whole = 4 * HQ * total * total * D / 2  # the dense kernel's own causal work over the whole length
     for name, fn in packed_systems(q, k, v, cu, max(lengths)).items():
-        record(f"packed_16docs_T{total}", name, fn, whole if name == "ours_dense_same_length" else useful)
+        record(f"packed_16docs_T{total}", name, fn, whole if name.endswith("dense_same_length") else useful)
 
 
 if __name__ == "__main__":
