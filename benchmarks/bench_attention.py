@@ -17,6 +17,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
@@ -113,6 +114,13 @@ def _fa2_varlen(q, k, v, cu, max_len):
     return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **kv)
 
 
+def packed_offsets(total: int) -> tuple[Tensor, list[int]]:
+    """cu_seqlens (on the GPU) and lengths of 16 documents of random lengths (seeded) in ``total`` tokens."""
+    cuts = torch.sort(torch.randperm(total - 1, generator=torch.Generator().manual_seed(0))[:15] + 1).values
+    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32).cuda()
+    return cu, (cu[1:] - cu[:-1]).tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="2048,8192")
@@ -144,9 +152,7 @@ def main() -> None:
         for name, fn in dense_systems(q, k, v).items():
             record(f"dense_causal_N{n}", name, fn, flops)
     total = args.packed_tokens
-    cuts = torch.sort(torch.randperm(total - 1, generator=torch.Generator().manual_seed(0))[:15] + 1).values
-    cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([total])]).to(torch.int32).cuda()
-    lengths = (cu[1:] - cu[:-1]).tolist()
+    cu, lengths = packed_offsets(total)
     q, k, v = make(total, HQ, D), make(total, HKV, D), make(total, HKV, D)
     useful = sum(4 * HQ * n * n * D / 2 for n in lengths)  # within-document work only
     whole = 4 * HQ * total * total * D / 2  # the dense kernel's own causal work over the whole length

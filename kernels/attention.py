@@ -52,6 +52,9 @@ def _configs(shapes, interpreted: tuple[int, int]) -> list[triton.Config]:
 # (BLOCK_M, BLOCK_N, warps, stages). Forward and dQ walk key blocks for a query block; dK/dV walks query blocks
 # for a key block, so it favours wide key blocks (as FlashAttention-2's Triton tutorial does).
 _ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)), (32, 16))
+# dK/dV: a program whose key block is seen by fewer query blocks than this runs its group's query heads in one loop
+# (measured on an H200: faster for short packed documents, slower for long sequences)
+_FLAT_BELOW = tl.constexpr(8)
 _COL_CONFIGS = _configs(((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32))
 
 
@@ -226,6 +229,45 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, of
     return dk, dv
 
 
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, first, count, head0, offs_n, offs_d, seqlen, window,
+                 qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, MASKED: tl.constexpr,
+                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEADS: tl.constexpr,
+                 BLOCK_M: tl.constexpr):  # fmt: skip
+    # `count` query blocks from `first`, for query heads head0 .. head0 + HEADS - 1. Several heads run in one loop:
+    # one software pipeline instead of one per head, which pays where each head has few blocks (short sequences)
+    if HEADS == 1:
+        for m_start in range(first, first + count * BLOCK_M, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head0, offs_n, offs_d, seqlen,
+                                window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, MASKED,
+                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
+    else:
+        for i in range(0, HEADS * count):
+            m_start = first + (i % count) * BLOCK_M
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head0 + i // count, offs_n,
+                                offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh,
+                                stride_lh, MASKED, CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d, seqlen,
+                   window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, CAUSAL: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    # masked blocks (diagonal), unmasked blocks, masked blocks (window edge)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, (full_lo - lo) // BLOCK_M, head0, offs_n,
+                          offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
+                          True, CAUSAL, HAS_WINDOW, HEADS, BLOCK_M)  # fmt: skip
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, full_lo, (full_hi - full_lo) // BLOCK_M, head0,
+                          offs_n, offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh,
+                          stride_lh, False, CAUSAL, HAS_WINDOW, HEADS, BLOCK_M)  # fmt: skip
+    tail = tl.maximum(tl.cdiv(hi - full_hi, BLOCK_M), 0)
+    dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, full_hi, tail, head0, offs_n, offs_d, seqlen, window,
+                          qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, True, CAUSAL, HAS_WINDOW,
+                          HEADS, BLOCK_M)  # fmt: skip
+    return dk, dv
+
+
 @triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS", "seq_bucket"])
 @triton.jit
 def _bwd_dkdv_kernel(
@@ -253,21 +295,20 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     lo, full_lo, full_hi, hi = _query_ranges(n_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
-    for g in range(HEADS):
-        head = pid_h * HEADS + g
-        # masked blocks (diagonal), unmasked blocks, masked blocks (window edge)
-        for m_start in range(lo, full_lo, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
-                                window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, True,
-                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
-        for m_start in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
-                                window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, False,
-                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
-        for m_start in range(full_hi, hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen,
-                                window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, True,
-                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
+    head0 = pid_h * HEADS
+    if HEADS == 1:
+        dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d,
+                                seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
+                                CAUSAL, HAS_WINDOW, 1, BLOCK_M)  # fmt: skip
+    elif tl.cdiv(hi - lo, BLOCK_M) < _FLAT_BELOW:  # few blocks per head: one loop over all the heads' blocks
+        dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d,
+                                seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
+                                CAUSAL, HAS_WINDOW, HEADS, BLOCK_M)  # fmt: skip
+    else:
+        for g in range(HEADS):
+            dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0 + g,
+                                    offs_n, offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot,
+                                    stride_doh, stride_lh, CAUSAL, HAS_WINDOW, 1, BLOCK_M)  # fmt: skip
     tl.store(DK + (start + offs_n)[:, None] * stride_dkt + pid_h * stride_dkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
     tl.store(DV + (start + offs_n)[:, None] * stride_dvt + pid_h * stride_dvh + offs_d[None, :],

@@ -3,6 +3,7 @@ dense and packed, GQA, causal, non-causal and sliding window, forward and all th
 
 import pytest
 import torch
+import triton
 
 import lightning_slide.kernels.attention as fa
 from helpers import kernel_path
@@ -47,10 +48,14 @@ def test_matches_fp64_reference(path, packed, causal, window, d, hkv):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_dkdv_by_query_head_matches_fp64_reference(monkeypatch, packed):
-    # with few key blocks, dK/dV run one program per query head and sum the group's partial sums afterwards
+@pytest.mark.parametrize("walk", ["by-query-head", "group-one-loop", "group-loop-per-head"])
+def test_dkdv_walks_match_fp64_reference(monkeypatch, packed, walk):
+    # dK/dV run one program per query head and sum the group's partial sums afterwards (few key blocks), or one
+    # program per kv head, whose group of query heads shares one loop (few query blocks) or has a loop each
     kernel_path(fa, "triton", monkeypatch)
-    monkeypatch.setattr(fa, "_split_below", lambda device: 1 << 30)
+    if walk == "by-query-head":
+        monkeypatch.setattr(fa, "_split_below", lambda device: 1 << 30)
+    monkeypatch.setattr(fa, "_FLAT_BELOW", triton.language.constexpr(1 << 20 if walk == "group-one-loop" else 0))
     q, k, v = (t.requires_grad_() for t in _qkv(packed, 16, hq=4, hkv=2))
     cu = CU if packed else None
     ref = flash_attention_ref(q, k, v, causal=True, window=7, cu_seqlens=cu)

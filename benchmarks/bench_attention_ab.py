@@ -1,0 +1,81 @@
+"""Two versions of the attention kernels side by side (GPU machine): each ``attention.py`` is loaded as a module of
+its own (it imports only torch and triton), and both run forward + backward on the same tensors, interleaved, three
+times each (the middle time is kept). Cases: causal, bf16, 32/8 heads, D=128, dense B=2 at N=2048 and 8192, B=1 at
+16384, and bench_attention.py's packed batch (16 documents of random lengths in 16k tokens, within-document work
+counted). Prints the new/old time ratio and the gradients' relative difference; appends CSV rows to --out.
+
+    git show main:kernels/attention.py > /tmp/attention_main.py
+    python benchmarks/bench_attention_ab.py /tmp/attention_main.py kernels/attention.py --labels main,branch
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from bench_attention import packed_offsets
+from results_csv import append_row, environment
+
+HQ, HKV, D = 32, 8, 128
+
+
+def load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    module.TRITON_ON_CUDA = True
+    return module
+
+
+def cases(make):
+    """(case, (q, k, v), kwargs, causal FLOPs of one forward)"""
+    for n, b in ((2048, 2), (8192, 2), (16384, 1)):
+        yield f"dense_causal_B{b}_N{n}", (make(b, n, HQ), make(b, n, HKV), make(b, n, HKV)), {}, 2 * b * HQ * n * n * D
+    total = 16384
+    cu, lengths = packed_offsets(total)
+    qkv = (make(total, HQ), make(total, HKV), make(total, HKV))
+    flops = sum(2 * HQ * n * n * D for n in lengths)  # within-document work
+    yield f"packed_16docs_T{total}", qkv, {"cu_seqlens": cu, "max_seqlen": max(lengths)}, flops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--labels", default="old,new")
+    parser.add_argument("--out", default="benchmarks/results/attention_ab.csv")
+    args = parser.parse_args()
+    labels = args.labels.split(",")
+    modules = dict(zip(labels, (load("attention_a", args.old), load("attention_b", args.new))))
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def make(*shape):
+        return torch.randn(*shape, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+
+    for case, qkv, kwargs, flops in cases(make):
+        grad_out = torch.randn_like(qkv[0])
+        a, b = (torch.autograd.grad(m.flash_attention(*qkv, **kwargs), qkv, grad_out) for m in modules.values())
+        diff = max(((y.float() - x.float()).norm() / x.float().norm()).item() for x, y in zip(a, b))
+        times = {name: [] for name in labels}
+        for rep in range(3):
+            for name in labels if rep % 2 == 0 else labels[::-1]:
+                fn = modules[name].flash_attention
+
+                def step():
+                    torch.autograd.grad(fn(*qkv, **kwargs), qkv, grad_out)
+
+                times[name].append(do_bench(step, warmup=25, rep=200, return_mode="median"))
+        ms = {name: sorted(t)[1] for name, t in times.items()}
+        for name in labels:
+            tflops = flops * 3.5 / (ms[name] * 1e-3) / 1e12
+            row = {"case": case, "system": name, "pass": "fwd+bwd", "ms": ms[name], "tflops": tflops}
+            append_row(args.out, {**environment(), **row, "vs_first": ms[name] / ms[labels[0]], "grad_rel_diff": diff})
+
+
+if __name__ == "__main__":
+    main()
