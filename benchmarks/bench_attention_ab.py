@@ -2,10 +2,14 @@
 its own (it imports only torch and triton), and both run forward + backward on the same tensors, interleaved, three
 times each (the middle time is kept). Cases: causal, bf16, 32/8 heads, D=128, dense B=2 at N=2048 and 8192, B=1 at
 16384, and bench_attention.py's packed batch (16 documents of random lengths in 16k tokens, within-document work
-counted). Prints the new/old time ratio and the gradients' relative difference; appends CSV rows to --out.
+counted). Appends CSV rows to --out: time, TFLOP/s, the time over the first version's, and the gradients' relative
+difference. ``--set-new NAME=INT`` sets a ``tl.constexpr`` of the new version before it compiles, so one file can be
+run against itself with another threshold.
 
     git show main:kernels/attention.py > /tmp/attention_main.py
     python benchmarks/bench_attention_ab.py /tmp/attention_main.py kernels/attention.py --labels main,branch
+    python benchmarks/bench_attention_ab.py kernels/attention.py kernels/attention.py --set-new _FLAT_BELOW=32 \
+        --labels flat_below_8,flat_below_32
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import importlib.util
 import sys
 
 import torch
+import triton.language as tl
 from triton.testing import do_bench
 
 from bench_attention import packed_offsets
@@ -23,12 +28,17 @@ from results_csv import append_row, environment
 HQ, HKV, D = 32, 8, 128
 
 
-def load(name: str, path: str):
+def load(name: str, path: str, constants: list[str]):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     module.TRITON_ON_CUDA = True
+    for item in constants:
+        key, value = item.split("=")
+        if not isinstance(getattr(module, key, None), tl.constexpr):
+            raise SystemExit(f"--set-new {item}: {path} has no tl.constexpr named {key}")
+        setattr(module, key, tl.constexpr(int(value)))
     return module
 
 
@@ -48,10 +58,11 @@ def main() -> None:
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--labels", default="old,new")
+    parser.add_argument("--set-new", action="append", default=[], metavar="NAME=INT")
     parser.add_argument("--out", default="benchmarks/results/attention_ab.csv")
     args = parser.parse_args()
     labels = args.labels.split(",")
-    modules = dict(zip(labels, (load("attention_a", args.old), load("attention_b", args.new))))
+    modules = dict(zip(labels, (load("attention_a", args.old, []), load("attention_b", args.new, args.set_new))))
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def make(*shape):
