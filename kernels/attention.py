@@ -9,9 +9,9 @@ sequence boundaries every S tokens, so the dense and packed cases share one code
         o = sum_j softmax(s)_j v_j;  lse = m + log(l)   (kept for backward)
     backward: delta = rowsum(dO * O);  p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p (dp - delta)
               dq = ds k * scale (per query block);  dk = ds^T q * scale (per key block, summed over the group's
-              query heads in one program, so GQA needs no atomics; when that gives too few programs to fill the
-              GPU, one program per query head writes fp32 partial sums that are added up afterwards, as
-              FlashAttention-2 does for GQA)
+              query heads in one program, so GQA needs no atomics; where few query blocks see the key block, the
+              group's heads share one loop; when there are too few programs to fill the GPU, one program per query
+              head writes fp32 partial sums that are added up afterwards, as FlashAttention-2 does for GQA)
 
 Masks: key j is visible to query i (positions within one sequence) iff j < len, and with ``causal`` j <= i, and
 with ``window`` W also i - W < j (Hugging Face's sliding-window convention). Nothing crosses sequences.
@@ -52,8 +52,9 @@ def _configs(shapes, interpreted: tuple[int, int]) -> list[triton.Config]:
 # (BLOCK_M, BLOCK_N, warps, stages). Forward and dQ walk key blocks for a query block; dK/dV walks query blocks
 # for a key block, so it favours wide key blocks (as FlashAttention-2's Triton tutorial does).
 _ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)), (32, 16))
-# dK/dV: a program whose key block is seen by fewer query blocks than this runs its group's query heads in one loop
-# (measured on an H200: faster for short packed documents, slower for long sequences)
+# dK/dV: a program whose key block fewer query blocks than this see runs its group's query heads in one loop, with
+# one pipeline fill instead of one per head. On an H200 one loop in every program made short packed documents faster
+# and long sequences slower; below 8 blocks long sequences kept their speed (README, bench_attention_ab.py).
 _FLAT_BELOW = tl.constexpr(8)
 _COL_CONFIGS = _configs(((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32))
 
