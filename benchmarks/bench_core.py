@@ -15,6 +15,7 @@ worker busy, the training thread's waits, bytes moved; then one extra, untimed s
 in kernels and in copies each way). Appends CSV rows to --out.
 
     python benchmarks/bench_core.py --out benchmarks/results/core.csv
+    python benchmarks/bench_core.py --systems a --engine-set SPLIT_EMBEDDING_UPDATE=False   # (a) with a choice forced
 """
 
 from __future__ import annotations
@@ -327,6 +328,26 @@ def run_floor(layers: int, threads: int, repeats: int = 3):
             "host_peak": peak_rss(), "timeline": f"threads={threads}"}  # fmt: skip
 
 
+def set_engine_constants(items: list[str]) -> str:
+    """Set ``NAME=VALUE`` constants of the engine module (VALUE: True, False, "auto", an int or a float, as the
+    constant's current type); returns a suffix for the system's name (empty without settings)."""
+    from lightning_slide.engine import engine
+
+    for item in items:
+        name, _, text = item.partition("=")
+        current = getattr(engine, name, None)
+        if current is None or not name.isupper():
+            raise SystemExit(f"--engine-set {item}: lightning_slide.engine.engine has no constant {name}")
+        value = {"True": True, "False": False}.get(text, text)
+        if isinstance(current, bool) or current == "auto":
+            if value not in (True, False, "auto"):
+                raise SystemExit(f"--engine-set {item}: {name} takes True, False or auto")
+        else:
+            value = type(current)(text)
+        setattr(engine, name, value)
+    return "".join(f"[{item}]" for item in items)
+
+
 def main() -> None:
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("lightning_slide").setLevel(logging.INFO)  # the engine's choices: split, offload, plan
@@ -344,7 +365,11 @@ def main() -> None:
     parser.add_argument("--main-threads", type=int, default=None, help="(a): torch threads of the training thread")
     parser.add_argument("--out", default="benchmarks/results/core.csv")
     parser.add_argument("--trace-dir", default=None, help="(a), (b): write a profiled step's trace here")
+    parser.add_argument("--engine-set", action="append", default=[], metavar="NAME=VALUE",
+                        help="(a): set a module constant of lightning_slide.engine.engine first (e.g."
+                             " SPLIT_EMBEDDING_UPDATE=False), to compare a choice side by side")  # fmt: skip
     args = parser.parse_args()
+    engine_settings = set_engine_constants(args.engine_set)
     global IDS
     IDS = args.ids
 
@@ -383,11 +408,12 @@ def main() -> None:
         record("d_cpu_adamw_floor", "", 0, run_floor, args.layers, max(1, os.cpu_count() - 1))
     if "a" in systems:
         module = BenchLM.create(args.layers)
+        system = "a_slideformer" + engine_settings
         default_threads = torch.get_num_threads()
         torch.set_num_threads(args.main_threads or default_threads)
         for tokens in token_counts:
             for schedule in args.schedules.split(","):
-                record("a_slideformer", schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
+                record(system, schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
                        args.gpu_cap_gib, args.cpu_threads, args.trace_dir)  # fmt: skip
         del module
         torch.set_num_threads(default_threads)
