@@ -352,11 +352,14 @@ def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weig
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
 def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer):
     # rows.py: the rows no token touched are updated when the backward starts, the touched ones when their
-    # gradients arrive; chunks of 10 rows, so both parts run over several chunks (the vocabulary has 101 rows)
+    # gradients arrive; chunks of 10 rows, so both parts run over several chunks (the vocabulary has 101 rows), and
+    # the touched rows of a chunk are updated 3 at a time
     from lightning_slide.engine import engine as engine_module
+    from lightning_slide.engine import rows
     from lightning_slide.engine.grads import GradRouter
 
     monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
+    monkeypatch.setattr(rows, "PASS_NUMEL", 3 * 32)
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
     splits = []
     start = GradRouter.start_split

@@ -23,6 +23,11 @@ from torch import Tensor, nn
 
 from .optim import CpuOptimizer, Hypers
 
+# Elements of each tensor the touched rows' update gathers at a time: the rows of the masters and moments go through
+# gather, update and scatter while they are still in the CPU's cache, instead of each pass reading RAM again
+# (benchmarks/bench_rows_update.py).
+PASS_NUMEL = 1 << 21
+
 
 class RowSplit:
     """One step's two-part update of an embedding matrix.
@@ -74,9 +79,12 @@ class RowSplit:
     ) -> None:
         """The update of touched rows ``index[lo:hi]`` with their gradient ``grad`` (divided by ``grad_scale``: the
         clipping coefficient), on the CPU worker."""
-        keep = self.index[lo:hi]
         tensors = optimizer.state_like(self.param)
-        gathered = self._gather(tensors, keep)
-        optimizer.update_gathered(self.param, gathered, grad, hypers, grad_scale)
-        for k, t in tensors.items():
-            t.index_copy_(0, keep, gathered[k])
+        rows = max(1, PASS_NUMEL // self.param[0].numel())
+        for a in range(lo, hi, rows):
+            b = min(hi, a + rows)
+            keep = self.index[a:b]
+            gathered = self._gather(tensors, keep)
+            optimizer.update_gathered(self.param, gathered, grad[a - lo : b - lo], hypers, grad_scale)
+            for k, t in tensors.items():
+                t.index_copy_(0, keep, gathered[k])
