@@ -16,6 +16,7 @@ in kernels and in copies each way). Appends CSV rows to --out.
 
     python benchmarks/bench_core.py --out benchmarks/results/core.csv
     python benchmarks/bench_core.py --systems a --engine-set SPLIT_EMBEDDING_UPDATE=False   # (a) with a choice forced
+    python benchmarks/bench_core.py --systems a --engine-set rows.PASS_NUMEL=8388608        # ... of engine/rows.py
 """
 
 from __future__ import annotations
@@ -329,22 +330,29 @@ def run_floor(layers: int, threads: int, repeats: int = 3):
 
 
 def set_engine_constants(items: list[str]) -> str:
-    """Set ``NAME=VALUE`` constants of the engine module (VALUE: True, False, "auto", an int or a float, as the
-    constant's current type); returns a suffix for the system's name (empty without settings)."""
-    from lightning_slide.engine import engine
+    """Set ``NAME=VALUE`` constants of the engine module, or ``MODULE.NAME=VALUE`` of another module of
+    ``lightning_slide.engine`` (VALUE: True, False, "auto", an int or a float, as the constant's current type);
+    returns a suffix for the system's name (empty without settings)."""
+    import importlib
 
     for item in items:
-        name, _, text = item.partition("=")
-        current = getattr(engine, name, None)
+        path, _, text = item.partition("=")
+        where, _, name = path.rpartition(".")
+        module_name = f"lightning_slide.engine.{where or 'engine'}"
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            raise SystemExit(f"--engine-set {item}: there is no module {module_name}") from None
+        current = getattr(module, name, None)
         if current is None or not name.isupper():
-            raise SystemExit(f"--engine-set {item}: lightning_slide.engine.engine has no constant {name}")
+            raise SystemExit(f"--engine-set {item}: {module_name} has no constant {name}")
         value = {"True": True, "False": False}.get(text, text)
         if isinstance(current, bool) or current == "auto":
             if value not in (True, False, "auto"):
                 raise SystemExit(f"--engine-set {item}: {name} takes True, False or auto")
         else:
             value = type(current)(text)
-        setattr(engine, name, value)
+        setattr(module, name, value)
     return "".join(f"[{item}]" for item in items)
 
 
@@ -366,8 +374,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/core.csv")
     parser.add_argument("--trace-dir", default=None, help="(a), (b): write a profiled step's trace here")
     parser.add_argument("--engine-set", action="append", default=[], metavar="NAME=VALUE",
-                        help="(a): set a module constant of lightning_slide.engine.engine first (e.g."
-                             " SPLIT_EMBEDDING_UPDATE=False), to compare a choice side by side")  # fmt: skip
+                        help="(a): set a constant of lightning_slide.engine.engine first (e.g."
+                             " SPLIT_EMBEDDING_UPDATE=False), or of another engine module (rows.PASS_NUMEL=8388608),"
+                             " to compare a choice side by side")  # fmt: skip
     args = parser.parse_args()
     engine_settings = set_engine_constants(args.engine_set)
     global IDS
