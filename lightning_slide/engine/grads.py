@@ -452,9 +452,7 @@ class GradRouter:
         if plan.clip_value is not None:
             grad.clamp_(-plan.clip_value, plan.clip_value)
         hypers = plan.hypers[self.optimizer.group_index(split.param)]
-        for lo in range(0, len(grad), split.rows_per_chunk):
-            hi = min(len(grad), lo + split.rows_per_chunk)
-            split.apply(self.optimizer, lo, hi, grad[lo:hi], hypers, plan.grad_scale)
+        split.apply(self.optimizer, 0, len(grad), grad, hypers, plan.grad_scale)  # in passes of rows.PASS_NUMEL
         self.optimizer.end(split.param)
 
     def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
