@@ -2,6 +2,7 @@
 checkpoints."""
 
 import math
+import time
 
 import lightning as L
 import pytest
@@ -80,6 +81,15 @@ class _NaNAt(CausalLM):
         if self.global_step == self.bad_step:
             return None if self.skip else loss * float("nan")
         return loss
+
+
+class _KeepModule(L.Callback):
+    def __init__(self, kept: list):
+        self.kept = kept
+
+    def on_exception(self, trainer, module, exception):
+        trainer.strategy.engine.wait = lambda: None  # the worker has failed: nothing more to complete
+        self.kept.append(module)
 
 
 @pytest.mark.parametrize(
@@ -349,11 +359,14 @@ def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weig
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
+@pytest.mark.parametrize("schedule", ["backward", "forward"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
-def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer):
+def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer, schedule):
     # rows.py: the rows no token touched are updated when the backward starts, the touched ones when their
-    # gradients arrive; chunks of 10 rows, so both parts run over several chunks (the vocabulary has 101 rows), and
-    # the touched rows of a chunk are updated 3 at a time
+    # gradients arrive ("backward", by the CPU worker) or the step ends ("forward": on the device, or by the worker),
+    # where the next forward takes the rows it shares with the step from the device. Chunks of 10 rows, so both parts
+    # run over several chunks (the vocabulary has 101 rows), and the touched rows of a chunk are updated 3 at a time.
+    # On the CPU the "device" runs the same kernel, so all give the same bits.
     from lightning_slide.engine import engine as engine_module
     from lightning_slide.engine import rows
     from lightning_slide.engine.grads import GradRouter
@@ -361,17 +374,56 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer)
     monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
     monkeypatch.setattr(rows, "PASS_NUMEL", 3 * 32)
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
-    splits = []
-    start = GradRouter.start_split
-    monkeypatch.setattr(GradRouter, "start_split", lambda self, p, index, plan: splits.append(len(index)) or
-                        start(self, p, index, plan))  # fmt: skip
+    splits, copies = [], []
+    start, find = GradRouter.start_split, rows.RowCopy.find
+    monkeypatch.setattr(GradRouter, "start_split", lambda self, p, index, plan, **k: splits.append(
+        (len(index), k["on_device"])) or start(self, p, index, plan, **k))  # fmt: skip
+    monkeypatch.setattr(rows.RowCopy, "find", lambda self, index: copies.append(find(self, index)) or copies[-1])
+    write_back = rows.RowSplit.write_back
+
+    def slow_write_back(self, optimizer, name, lo, values):  # the next forward comes before the host has the rows
+        if lo == 0 and name == "param":
+            time.sleep(0.5)
+        write_back(self, optimizer, name, lo, values)
+
+    monkeypatch.setattr(rows.RowSplit, "write_back", slow_write_back)
     module = CausalLM(tiny_config("llama"), optimizer=optimizer)
-    two, _ = fit(module, SlideFormerStrategy(num_slots=2))
+    strategy = dict(num_slots=2, update_schedule=schedule)
+    on_device, _ = fit(module, SlideFormerStrategy(**strategy))
     assert len(splits) == 6  # every step
-    assert all(0 < n < VOCAB for n in splits)  # rows of both kinds
+    assert all(0 < n < VOCAB for n, _ in splits)  # rows of both kinds
+    device = schedule == "forward"
+    assert [d for _, d in splits] == [False] + [device] * 5  # the first step creates the optimizer state
+    assert len(copies) == (4 if device else 0)  # the forwards of steps 3 to 6 took rows from the device copy
+    assert all(0 < int(held.sum()) < len(held) for held, _ in copies)  # and from the host
+    monkeypatch.setattr(engine_module, "DEVICE_ROW_UPDATE", False)
+    on_cpu, _ = fit(module, SlideFormerStrategy(**strategy))
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", False)
-    one, _ = fit(module, SlideFormerStrategy(num_slots=2))
-    assert all(torch.equal(two[k], one[k]) for k in one)
+    one, _ = fit(module, SlideFormerStrategy(**strategy))
+    assert all(torch.equal(on_cpu[k], one[k]) for k in one)
+    assert all(torch.equal(on_device[k], one[k]) for k in one)
+
+
+def test_nonfinite_gradient_is_not_written_back_from_the_device_rows(monkeypatch):
+    # "forward" schedule without clipping: a NaN in the embedding's gradient alone stops training before the touched
+    # rows' device update, so it never reaches the host's masters nor the next forward
+    from lightning_slide.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
+
+    class NaNIntoEmbedding(CausalLM):
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            embeds = self.model.get_input_embeddings()(ids)
+            if self.global_step == 3:
+                embeds.register_hook(lambda grad: grad * float("nan"))
+            return self.model(inputs_embeds=embeds, labels=ids).loss
+
+    kept = []
+    with pytest.raises(NonFiniteGradientError, match="optimizer step 3 in 'model.model.embed_tokens'"):
+        fit(NaNIntoEmbedding(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule="forward"),
+            steps=5, callbacks=[_KeepModule(kept)])  # fmt: skip
+    assert all(bool(v.isfinite().all()) for v in kept[0].state_dict().values())
 
 
 def test_embedding_without_gradient_after_its_rows_were_updated_is_an_error(monkeypatch):
@@ -405,7 +457,7 @@ def test_auto_split_follows_the_workers_waiting_in_the_second_step(monkeypatch, 
         )
     splits = []
     start = GradRouter.start_split
-    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a: splits.append(1) or start(self, *a))
+    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a, **k: splits.append(1) or start(self, *a, **k))
     with caplog.at_level("INFO", logger="lightning_slide.engine.engine"):
         fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=5)
     assert len(splits) == (3 if waits else 0)  # steps 3, 4 and 5
@@ -497,7 +549,7 @@ def test_forward_schedule_updates_the_embedding_in_two_parts_exactly(
     monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
     started = []
     start = GradRouter.start_split
-    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a: started.append(1) or start(self, *a))
+    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a, **k: started.append(1) or start(self, *a, **k))
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto", **kwargs)
     strategy = SlideFormerStrategy(num_slots=2, **strategy_kwargs)

@@ -47,6 +47,7 @@ from .planner import (
     plan_host,
     tiling_needed,
 )
+from .rows import RowSplit
 from .tiling import TILES, TiledMLP, gated_mlp
 from .transfer import STAGES, Transfer
 from .units import DeviceBuffer, Unit, max_sizes
@@ -67,6 +68,15 @@ _ROWS_STAGE_NUMEL = 1 << 23  # fp32 elements per staging buffer of embedding row
 # 1.370 s instead of 1.413; at 8k, where the worker is the bottleneck, 1.052 instead of 1.015.
 SPLIT_EMBEDDING_UPDATE: bool | Literal["auto"] = "auto"
 _SPLIT_DECIDED_AFTER = 2  # "auto" decides from the second optimizer step's timing (the first creates the state)
+# With the "forward" schedule, a split embedding's touched rows are updated on the device, and the next forward reads
+# the rows it shares with the step from there (rows.py): the CPU worker, which the next forward waits for block by
+# block, no longer starts with their update. It costs the device their values and optimizer state from the step's end
+# into the next step: at 32k uniform token ids, ~29k rows of 4096, 0.47 GB each. Used from the second step that
+# splits (the first creates the optimizer state), where one forward per step gathered the rows. On the H200
+# (bench_core.py, 32k, side by side) the "forward" step took 1.669-1.694 s instead of 1.747; the same done at the end
+# of the "backward" schedule's backward (its state uploaded when the backward started) took 1.420-1.425 s instead of
+# 1.339, so that schedule keeps the CPU's update.
+DEVICE_ROW_UPDATE = True
 
 
 @dataclass
@@ -587,25 +597,57 @@ class SlideEngine:
             )
         if training and self._plan is not None:
             self._touched.append(index_host)
-        self._wait_updates(unit)
-        width = weight.shape[1]
-        rows = torch.empty(index_host.numel(), width, dtype=torch.float32, device=self.device)
-        per = max(1, min(_ROWS_STAGE_NUMEL // width, weight.shape[0]))  # rows per staging buffer
-        allocated = self.transfer.record()  # `rows` may reuse memory still read on the compute stream
+        copy = None
+        if training and self.optimizer is not None:
+            # used once: a later gather waits for the write-back instead, and the device frees the copy sooner
+            copy, self.router.row_copy = self.router.row_copy, None
+            if copy is not None and copy.landed.done():
+                copy = None  # the host holds its rows
+        if copy is None:
+            self._wait_updates(unit)
+        else:
+            copy.ready.result()  # the rows it does not hold are final
+        rows = torch.empty(index_host.numel(), weight.shape[1], dtype=torch.float32, device=self.device)
+        if copy is None:
+            self._send_host_rows(weight.data, index_host, rows)
+        else:
+            held, at = copy.find(index_host)
+            missing = torch.empty(int((~held).sum()), weight.shape[1], dtype=torch.float32, device=self.device)
+            self._send_host_rows(weight.data, index_host[~held], missing)
+            self.transfer.wait(copy.event)
+            held, at = held.to(self.device), at.to(self.device)
+            rows[~held] = missing
+            rows[held] = copy.values[at[held]]
+        return index, inverse.view(ids.shape), rows
+
+    def _send_host_rows(self, source: Tensor, index: Tensor, out: Tensor) -> None:
+        """Copy rows ``index`` of the host tensor ``source`` into the device tensor ``out``; the current stream waits
+        for them."""
+        width = source[0].numel()
+        per = max(1, min(_ROWS_STAGE_NUMEL // width, source.shape[0]))  # rows per staging buffer
+        allocated = self.transfer.record()  # `out` may reuse memory still read on the compute stream
         event = None
-        for k, lo in enumerate(range(0, index_host.numel(), per)):
+        for k, lo in enumerate(range(0, index.numel(), per)):
             # two pinned staging buffers in turn: gathering the next rows overlaps sending the last ones
             if self._rows_stage[k % 2] is None:
                 self._rows_stage[k % 2] = (self.transfer.host_empty(per * width), None)
             buffer, sent = self._rows_stage[k % 2]
             if sent is not None:
                 sent.synchronize()  # its previous rows have left
-            part = buffer[: min(per, index_host.numel() - lo) * width].view(-1, width)
-            torch.index_select(weight.data, 0, index_host[lo : lo + len(part)], out=part)
-            event = self.transfer.upload([(part, rows[lo : lo + len(part)])], after=allocated)
+            part = buffer[: min(per, index.numel() - lo) * width].view(-1, *source.shape[1:])
+            torch.index_select(source, 0, index[lo : lo + len(part)], out=part)
+            event = self.transfer.upload([(part, out[lo : lo + len(part)])], after=allocated)
             self._rows_stage[k % 2] = (buffer, event)
         self.transfer.wait(event)
-        return index, inverse.view(ids.shape), rows
+
+    def _row_state(self, split: RowSplit) -> dict[str, Tensor]:
+        """The touched rows of the embedding and of its optimizer state, on the device, for their update there."""
+        self._wait_updates(self.embedding)  # the write-back of its last update has landed
+        state = {}
+        for name, tensor in self.optimizer.state_like(split.param).items():
+            state[name] = torch.empty(len(split.index), *tensor.shape[1:], dtype=torch.float32, device=self.device)
+            self._send_host_rows(tensor, split.index, state[name])
+        return state
 
     def head_loss(self, hidden: Tensor, target: Tensor, loss_fn, **kwargs) -> Tensor:
         """``loss_fn(hidden, weight, target, bias=..., **kwargs)`` with the head's weights on the device.
@@ -733,7 +775,12 @@ class SlideEngine:
         updated now (see ``rows.py``)."""
         touched, self._touched = self._touched, []
         if touched and self._splits_embedding():
-            self.router.start_split(self.embedding.params[0], torch.unique(torch.cat(touched)), self._plan)
+            param = self.embedding.params[0]
+            index = torch.unique(torch.cat(touched))
+            # the state exists after the first update (the previous gather waited for it, or it is on the device)
+            has_state = bool(self.optimizer.optimizer.state.get(param))
+            on_device = DEVICE_ROW_UPDATE and self.schedule == "forward" and len(touched) == 1 and has_state
+            self.router.start_split(param, index, self._plan, on_device=on_device)
 
     def _splits_embedding(self) -> bool:
         # an embedding in RAM that nothing else uses, one backward pass per step, and either
@@ -863,6 +910,10 @@ class SlideEngine:
         if plan.skip:
             self.router.discard()
         elif self.schedule == "forward":
+            split = self.router.split
+            if split is not None and split.on_device:
+                split.bulk_done.result()  # it has put back the touched rows' state
+                split.state = self._row_state(split)
             for unit in self._update_order():
                 self.router.schedule_update(unit, plan, check_finite=not plan.norm_checked)
         self.router.end_window()
@@ -873,6 +924,8 @@ class SlideEngine:
             if self.optimizer is not None:
                 self.router.drain()
             self.worker.drain()
+            if self.optimizer is not None:
+                self.router.row_copy = None  # the host holds it
 
 
 def move_except_parameters(module: nn.Module, device: torch.device) -> None:

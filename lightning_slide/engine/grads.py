@@ -22,14 +22,16 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
 
 from .optim import CpuOptimizer, Hypers
-from .rows import RowSplit
+from .rows import RowCopy, RowSplit
 from .transfer import Transfer
 from .units import Unit
 from .worker import CpuWorker
@@ -90,6 +92,8 @@ class GradRouter:
         # leave, so clipping by norm costs the CPU no pass over the gradients.
         self._device_sq: dict[nn.Parameter, Tensor] = {}
         self.split: RowSplit | None = None  # this step's two-part embedding update (rows.py)
+        self.row_copy: RowCopy | None = None  # the last device update of an embedding's touched rows (rows.py)
+        self._write_back_later: tuple | None = None  # the "forward" schedule: a write-back queued at end_window
         self._row_scratch: dict[str, Tensor] = {}  # its host buffers, kept across steps
         self._rows_grad: Tensor | None = None  # the touched rows' gradients, kept for the "forward" schedule
         self.download_bytes = 0
@@ -167,18 +171,26 @@ class GradRouter:
         """The optimizer step is over (after ``drain``): parameters may receive gradients for the next one."""
         self._updated.clear()
         self.split = None
+        if self._write_back_later is not None:  # behind the updates the next forward waits for
+            self._put(partial(self._write_back, *self._write_back_later), 0)
+            self._write_back_later = None
 
-    def start_split(self, param: nn.Parameter, index: Tensor, plan: StepPlan) -> None:
-        """Update ``param``'s rows outside ``index`` now, and those in it when their gradients arrive (rows.py)."""
+    def start_split(self, param: nn.Parameter, index: Tensor, plan: StepPlan, *, on_device: bool) -> None:
+        """Update ``param``'s rows outside ``index`` now, and those in it when their gradients arrive (rows.py).
+
+        Args:
+            on_device: ("forward" schedule) update those on the device, once the engine has set ``split.state``.
+        """
         if self.split is not None:
             raise RuntimeError(
                 "The input embedding ran forward again after the step's backward pass began, when SlideFormer had"
                 " updated the rows the step had not touched so far. Run every forward of a step before its"
                 " backward, or set lightning_slide.engine.engine.SPLIT_EMBEDDING_UPDATE = False."
             )
-        self.split = RowSplit(param, index, self.transfer.chunk_numel, self._row_scratch)
+        self.drain()  # a write-back queued at end_window reaches the worker before the bulk
+        self.split = RowSplit(param, index, self.transfer.chunk_numel, self._row_scratch, on_device=on_device)
         hypers = plan.hypers[self.optimizer.group_index(param)]
-        self.worker.submit(self.split.bulk, self.optimizer, hypers)
+        self.split.bulk_done = self.worker.submit(self.split.bulk, self.optimizer, hypers)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -198,20 +210,23 @@ class GradRouter:
                 self._raise()
             self._queued_bytes += nbytes
         self._raise()
-        self._queue.put((ready, plan, self.transfer.record(), nbytes))
+        self._put(partial(self._send, ready, plan, self.transfer.record()), nbytes)
+
+    def _put(self, job: Callable[[], None], nbytes: int) -> None:
+        self._queue.put((job, nbytes))
 
     def _send_loop(self) -> None:
         if self.transfer.is_cuda:
             torch.cuda.set_device(self.transfer.device)
         while (item := self._queue.get()) is not None:
-            ready, plan, event, nbytes = item
+            job, nbytes = item
             try:
                 if self._error is None:
-                    self._send(ready, plan, event)
+                    job()
             except BaseException as err:
                 self._error = err
             finally:
-                del ready, item  # the device gradients may be freed (their copies are ordered by record_stream)
+                del job, item  # the device gradients may be freed (their copies are ordered by record_stream)
                 with self._room:
                     self._queued_bytes -= nbytes
                     self._room.notify_all()
@@ -297,7 +312,8 @@ class GradRouter:
     def _send_rows(self, split: RowSplit, contribs: list[Contribution], plan: StepPlan | None) -> None:
         """The touched rows' gradients only, in the order of ``split.index``, chunk by chunk: to the worker's update
         (``plan``: streamed updates), or into a host buffer kept for the update at the end of the step (the
-        "forward" schedule; their squares summed on the device for the global norm)."""
+        "forward" schedule; their squares summed on the device for the global norm), or, with ``split.on_device``,
+        nowhere: they stay on the device for the update there."""
         tr = self.transfer
         if len(contribs) == 1:
             index, values = contribs[0].index, contribs[0].values
@@ -314,6 +330,9 @@ class GradRouter:
         if plan is None:
             flat = values.view(-1)
             self._device_sq[split.param] = torch.dot(flat, flat)
+            if split.on_device:
+                split.grad = values
+                return
             split.grad = self._kept_rows(values.shape)
         else:
             hypers = plan.hypers[self.optimizer.group_index(split.param)]
@@ -418,6 +437,9 @@ class GradRouter:
         if streamed:
             task = (lambda: None,)
         elif self.split is not None and len(params) == 1 and params[0] is self.split.param:
+            if self.split.on_device:
+                owner.update_done = self._update_rows_on_device(owner.name, self.split, plan, check_finite)
+                return
             task = (self._update_rows, owner.name, self.split, plan, check_finite)
         else:
             task = (self._update, owner.name, params, plan, check_finite)
@@ -454,6 +476,54 @@ class GradRouter:
         hypers = plan.hypers[self.optimizer.group_index(split.param)]
         split.apply(self.optimizer, 0, len(grad), grad, hypers, plan.grad_scale)  # in passes of rows.PASS_NUMEL
         self.optimizer.end(split.param)
+
+    def _update_rows_on_device(self, name: str, split: RowSplit, plan: StepPlan, check_finite: bool) -> Future:
+        # the "forward" schedule (main thread): the update on the device now; the write-back after the updates that
+        # the next forward waits for (end_window)
+        grad = split.grad
+        if check_finite and not bool(torch.isfinite(torch.linalg.vector_norm(grad))):
+            raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
+        if plan.clip_value is not None:
+            grad.clamp_(-plan.clip_value, plan.clip_value)
+        hypers = plan.hypers[self.optimizer.group_index(split.param)]
+        split.update_on_device(self.optimizer, grad, hypers, plan.grad_scale)
+        # the next forward's rows shared with this step come from the device copy until the write-back has landed
+        landed, done = Future(), self.transfer.record()
+        self.row_copy = RowCopy(split.index, split.state["param"], done, split.bulk_done, landed)
+        self._write_back_later = (split, landed, done)
+        return landed
+
+    def _write_back(self, split: RowSplit, landed: Future, after) -> None:
+        """Copy the device-updated rows of ``split.state`` to landing buffers, chunk by chunk, for the worker to put
+        into the host's masters and state; ``landed`` is done after the last (sender thread)."""
+        tr = self.transfer
+        last = None
+        try:
+            with tr.converting(after):
+                for name, t in split.state.items():
+                    tr.keep_alive(t)
+                    for lo in range(0, len(t), split.rows_per_chunk):
+                        part = t[lo : lo + split.rows_per_chunk]
+                        landing = tr.take_landing(self.worker.raise_if_failed)
+                        stage = tr.down_stage(part.numel()).view(part.shape)
+                        stage.copy_(part)
+                        target = landing[: part.numel()].view(part.shape)
+                        event = tr.download(stage, target)
+                        self.download_bytes += 4 * part.numel()
+                        last = self.worker.submit(self._write_back_rows, split, name, lo, landing, target, after=event)
+        except BaseException as err:
+            landed.set_exception(err)
+            raise
+        if last is None:
+            landed.set_result(None)
+        else:
+            last.add_done_callback(partial(_settle, landed))
+
+    def _write_back_rows(self, split: RowSplit, name: str, lo: int, landing: Tensor, values: Tensor) -> None:
+        try:
+            split.write_back(self.optimizer, name, lo, values)
+        finally:
+            self.transfer.give_landing(landing)
 
     def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
         grads = [self.host[p] for p in params]
@@ -496,6 +566,14 @@ def _combine(stage: Tensor, contributions: list[Contribution], cut: slice | None
             stage.copy_(_rows(c, cut))
         else:
             stage.add_(_rows(c, cut))
+
+
+def _settle(future: Future, done: Future) -> None:
+    """Finish ``future`` as ``done`` finished."""
+    if done.exception() is not None:
+        future.set_exception(done.exception())
+    else:
+        future.set_result(None)
 
 
 def _check_finite(flag: Tensor, step: int, name: str) -> None:

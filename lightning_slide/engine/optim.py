@@ -173,12 +173,19 @@ class CpuOptimizer:
     def update_gathered(
         self, param: Tensor, rows: dict[str, Tensor], grad: Tensor, hypers: Hypers, grad_scale: Tensor | None = None
     ) -> None:
-        """Apply the update to rows gathered from :meth:`state_like` (same keys), in place, after :meth:`begin`."""
+        """Apply the update to rows gathered from :meth:`state_like` (same keys), in place, after :meth:`begin`.
+
+        The rows may be on the device: the same fused kernel then runs there (the step count and ``grad_scale`` go
+        with them)."""
+        device = grad.device
+        if grad_scale is not None:
+            grad_scale = grad_scale.to(device)
         if self.is_sgd:
             bufs = [rows["momentum_buffer"]] if hypers.momentum != 0 else []
             self._sgd([rows["param"]], [grad], bufs, hypers, self._sgd_first[param], grad_scale)
             return
-        self._adam([rows["param"]], [grad], [rows], [self.optimizer.state[param]["step"]], hypers, grad_scale)
+        step = self.optimizer.state[param]["step"].to(device)
+        self._adam([rows["param"]], [grad], [rows], [step], hypers, grad_scale)
 
     @staticmethod
     def _sgd(ps, grads, bufs, hypers: Hypers, first: bool, grad_scale) -> None:

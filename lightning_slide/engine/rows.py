@@ -14,9 +14,21 @@ Both parts are the same elementwise kernel as one update of the whole matrix, on
 identical (tests/test_engine.py checks it bitwise). The embedding was the last update of the backward pass and the
 first weight the next forward needs: at 32k tokens its whole-matrix update left the GPU idle ~0.1 s at the start of
 every step (a trace of bench_core.py).
+
+**On the device** (the "forward" schedule, ``RowSplit(on_device=True)``): once the global norm is known, the touched
+rows' values and optimizer state go up, the same fused kernel updates them on the device, and the next step's forward
+takes the rows it shares with this step from that device copy (``RowCopy``). The worker writes the update back into
+the host's copies after the updates the next forward waits for. So the worker, whose updates that forward waits for
+block by block, no longer starts with this one (~80 ms at 32k tokens, bench_rows_update.py on the H200's host). The
+rows outside the step's are final once the bulk has run, and the write-back touches only the step's rows, so the next
+forward reads the host's rows outside them meanwhile. On a GPU that update is torch's CUDA kernel: the same
+arithmetic, not the same last bits; on the CPU the same bits (the tests run it there).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -40,14 +52,21 @@ class RowSplit:
             tensor is dominated by its page faults (index_select ran at 7 GB/s into a new tensor, 27 GB/s into a
             kept one, on 2 cores); a first version that allocated them cost the CPU worker 0.44 s more per step at
             32k tokens on the H200.
+        on_device: update the touched rows on the device (module docstring); ``state`` is set before that.
     """
 
-    def __init__(self, param: nn.Parameter, index: Tensor, chunk_numel: int, scratch: dict[str, Tensor]) -> None:
+    def __init__(
+        self, param: nn.Parameter, index: Tensor, chunk_numel: int, scratch: dict[str, Tensor], *, on_device: bool
+    ) -> None:
         self.param = param
         self.index = index
         self.rows_per_chunk = max(1, chunk_numel // param[0].numel())
         self.received = False  # the touched rows' gradients reached the router
-        self.grad: Tensor | None = None  # the "forward" schedule: those gradients, kept on the host (grads.py)
+        self.grad: Tensor | None = None  # the "forward" schedule: those gradients, kept until the update (grads.py)
+        self.on_device = on_device
+        # on the device: the touched rows of each of `optimizer.state_like`'s tensors, uploaded before the update
+        self.state: dict[str, Tensor] | None = None
+        self.bulk_done: Future | None = None  # the bulk's task on the worker
         self._scratch = scratch
 
     def _buffer(self, name: str) -> Tensor:
@@ -88,3 +107,32 @@ class RowSplit:
             optimizer.update_gathered(self.param, gathered, grad[a - lo : b - lo], hypers, grad_scale)
             for k, t in tensors.items():
                 t.index_copy_(0, keep, gathered[k])
+
+    def update_on_device(
+        self, optimizer: CpuOptimizer, grad: Tensor, hypers: Hypers, grad_scale: Tensor | None = None
+    ) -> None:
+        """The touched rows' update on their device copies ``state``, once the bulk has counted the step."""
+        self.bulk_done.result()
+        optimizer.update_gathered(self.param, self.state, grad, hypers, grad_scale)
+        optimizer.end(self.param)
+
+    def write_back(self, optimizer: CpuOptimizer, name: str, lo: int, values: Tensor) -> None:
+        """Put rows ``index[lo:lo + len(values)]`` of the device-updated ``state[name]`` into the host's tensor (on the
+        CPU worker)."""
+        optimizer.state_like(self.param)[name].index_copy_(0, self.index[lo : lo + len(values)], values)
+
+
+@dataclass
+class RowCopy:
+    """The rows a step's device update produced, kept on the device until the host holds them too."""
+
+    index: Tensor  # the rows, sorted (host)
+    values: Tensor  # their updated values (device)
+    event: object  # the update is done on the device (None on the CPU)
+    ready: Future  # done when the copy may be read: the rows outside `index` are final
+    landed: Future  # done when the host's masters and state hold the update
+
+    def find(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        """For sorted rows ``index`` (host): which of them this copy holds, and where (both host tensors)."""
+        at = torch.searchsorted(self.index, index).clamp_(max=len(self.index) - 1)
+        return self.index[at] == index, at
