@@ -605,8 +605,6 @@ class SlideEngine:
                 copy = None  # the host holds its rows
         if copy is None:
             self._wait_updates(unit)
-        else:
-            copy.ready.result()  # the rows it does not hold are final
         rows = torch.empty(index_host.numel(), weight.shape[1], dtype=torch.float32, device=self.device)
         if copy is None:
             self._send_host_rows(weight.data, index_host, rows)

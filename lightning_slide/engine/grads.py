@@ -489,7 +489,7 @@ class GradRouter:
         split.update_on_device(self.optimizer, grad, hypers, plan.grad_scale)
         # the next forward's rows shared with this step come from the device copy until the write-back has landed
         landed, done = Future(), self.transfer.record()
-        self.row_copy = RowCopy(split.index, split.state["param"], done, split.bulk_done, landed)
+        self.row_copy = RowCopy(split.index, split.state["param"], done, landed)
         self._write_back_later = (split, landed, done)
         return landed
 

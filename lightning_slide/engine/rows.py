@@ -124,12 +124,12 @@ class RowSplit:
 
 @dataclass
 class RowCopy:
-    """The rows a step's device update produced, kept on the device until the host holds them too."""
+    """The rows a step's device update produced, kept on the device until the host holds them too. It exists only
+    after the step's bulk has run, so the rows outside ``index`` are final in RAM."""
 
     index: Tensor  # the rows, sorted (host)
     values: Tensor  # their updated values (device)
     event: object  # the update is done on the device (None on the CPU)
-    ready: Future  # done when the copy may be read: the rows outside `index` are final
     landed: Future  # done when the host's masters and state hold the update
 
     def find(self, index: Tensor) -> tuple[Tensor, Tensor]:
