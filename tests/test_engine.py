@@ -407,6 +407,23 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer,
     assert all(torch.equal(on_device[k], one[k]) for k in one)
 
 
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_touched_rows_update_on_the_device_is_in_the_memory_plan(monkeypatch, clip):
+    # schedule "forward": the rows' gradient, values and both moments stay on the device from the step's end until
+    # their write-back, which may overlap the next backward's peak; the activation plan keeps room for them
+    from lightning_slide.engine import engine as engine_module
+
+    reserved = []
+    plan = engine_module.blocks_to_offload
+    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1 << 40)  # the planner runs; nothing offloads
+    monkeypatch.setattr(engine_module, "blocks_to_offload", lambda saved, blocks, budget, queued: reserved.append(
+        queued) or plan(saved, blocks, budget, queued))  # fmt: skip
+    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=1, gradient_clip_val=clip)
+    rows = token_data()[:4].unique().numel()  # the first batch's distinct tokens
+    queued = 1 << 30  # the engine's max_queued_grad_bytes
+    assert reserved == [queued + (4 * rows * 32 * 4 if clip else 0)]  # AdamW, hidden size 32, fp32
+
+
 def test_nonfinite_gradient_is_not_written_back_from_the_device_rows(monkeypatch):
     # "forward" schedule without clipping: a NaN in the embedding's gradient alone stops training before the touched
     # rows' device update, so it never reaches the host's masters nor the next forward

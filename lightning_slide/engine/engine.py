@@ -701,7 +701,7 @@ class SlideEngine:
         # (as few as make the rest fit); whether the MLPs must run tiled (one block at work would not fit).
         saved = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
         budget = device_budget(self.device)
-        blocks, reserved = len(self.blocks), self._max_queued_grad_bytes
+        blocks, reserved = len(self.blocks), self._max_queued_grad_bytes + self._device_rows_bytes()
         if self.offloading is None:
             self.offloading = blocks_to_offload(saved, blocks, budget, reserved)
             if self.offloading:
@@ -721,6 +721,17 @@ class SlideEngine:
                 "SlideFormer runs the blocks' MLPs on %d slices of the tokens: one block at work (~%.2f GiB) would not"
                 " fit the %.2f GiB left on the GPU.", TILES, saved * WORKING_INPUTS / 2**30, budget / 2**30,
             )  # fmt: skip
+
+    def _device_rows_bytes(self) -> int:
+        # the "forward" schedule's touched-rows update on the device (rows.py) holds their gradient, values and
+        # optimizer state from the step's end until the worker has written them back, which can reach into the next
+        # backward; as many rows as this step's forward gathered
+        if not (self._touched and DEVICE_ROW_UPDATE and self.schedule == "forward" and self._splits_embedding()):
+            return 0
+        weight = self.embedding.params[0]
+        hypers = self._plan.hypers[self.optimizer.group_index(weight)]
+        state = int(hypers.momentum != 0) if self.optimizer.is_sgd else 2 + int(hypers.amsgrad)
+        return sum(len(t) for t in self._touched) * weight[0].numel() * 4 * (2 + state)
 
     def _offload_to_host(self, saved: int) -> None:
         # Steps long enough to need offloading keep the GPU busy far longer than the CPU optimizer: gradients

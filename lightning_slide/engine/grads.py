@@ -487,6 +487,7 @@ class GradRouter:
             grad.clamp_(-plan.clip_value, plan.clip_value)
         hypers = plan.hypers[self.optimizer.group_index(split.param)]
         split.update_on_device(self.optimizer, grad, hypers, plan.grad_scale)
+        split.grad = None  # the device may reuse it
         # the next forward's rows shared with this step come from the device copy until the write-back has landed
         landed, done = Future(), self.transfer.record()
         self.row_copy = RowCopy(split.index, split.state["param"], done, landed)
@@ -511,6 +512,7 @@ class GradRouter:
                         event = tr.download(stage, target)
                         self.download_bytes += 4 * part.numel()
                         last = self.worker.submit(self._write_back_rows, split, name, lo, landing, target, after=event)
+            split.state = None  # all read by the copies above (keep_alive): the device may reuse it
         except BaseException as err:
             landed.set_exception(err)
             raise
