@@ -390,7 +390,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self.engine.begin_step(self.lightning_module.trainer.global_step)
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.engine.finish_step()
+        with _explain_oom(self):  # the "forward" schedule sends the embedding's touched rows up here (rows.py)
+            self.engine.finish_step()
         return result
 
     @override

@@ -254,6 +254,18 @@ def test_out_of_memory_in_training_names_the_settings_that_help(monkeypatch):
         assert setting in message
 
 
+def test_out_of_memory_at_the_end_of_the_step_is_explained_too(monkeypatch):
+    # schedule "forward" sends the embedding's touched rows and their optimizer state up in optimizer_step (rows.py)
+    import lightning_slide.engine.engine as engine_module
+
+    def oom(self, split):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    monkeypatch.setattr(engine_module.SlideEngine, "_row_state", oom)
+    with pytest.raises(torch.OutOfMemoryError, match="(?s)Tried to allocate 1.00 GiB.*ran out of GPU memory"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=3, gradient_clip_val=0.5)
+
+
 @pytest.mark.parametrize(("budget", "slots"), [(None, 3), (1 << 40, 3), (1 << 10, 2)])
 def test_auto_window_is_three_slots_unless_they_crowd_the_gpu(monkeypatch, budget, slots):
     import lightning_slide.strategy as strategy_module
