@@ -726,7 +726,7 @@ class SlideEngine:
         # the "forward" schedule's touched-rows update on the device (rows.py) holds their gradient, values and
         # optimizer state from the step's end until the worker has written them back, which can reach into the next
         # backward; as many rows as this step's forward gathered
-        if not (self._touched and DEVICE_ROW_UPDATE and self.schedule == "forward" and self._splits_embedding()):
+        if not (self._touched and self._rows_on_device()):
             return 0
         weight = self.embedding.params[0]
         hypers = self._plan.hypers[self.optimizer.group_index(weight)]
@@ -788,8 +788,12 @@ class SlideEngine:
             index = torch.unique(torch.cat(touched))
             # the state exists after the first update (the previous gather waited for it, or it is on the device)
             has_state = bool(self.optimizer.optimizer.state.get(param))
-            on_device = DEVICE_ROW_UPDATE and self.schedule == "forward" and len(touched) == 1 and has_state
+            on_device = self._rows_on_device() and len(touched) == 1 and has_state
             self.router.start_split(param, index, self._plan, on_device=on_device)
+
+    def _rows_on_device(self) -> bool:
+        # the split embedding's touched rows are updated on the device (DEVICE_ROW_UPDATE, rows.py)
+        return DEVICE_ROW_UPDATE and self.schedule == "forward" and self._splits_embedding()
 
     def _splits_embedding(self) -> bool:
         # an embedding in RAM that nothing else uses, one backward pass per step, and either

@@ -466,27 +466,29 @@ class GradRouter:
             squares.update((p, float(n) ** 2) for p, n in zip(on_host, norms))
         return math.sqrt(sum(squares[p] for p in params))
 
-    def _update_rows(self, name: str, split: RowSplit, plan: StepPlan, check_finite: bool) -> None:
-        # the touched rows of a split embedding (their gradients kept by _send_rows); the rest had their update
+    def _checked_rows_grad(
+        self, name: str, split: RowSplit, plan: StepPlan, check_finite: bool
+    ) -> tuple[Tensor, Hypers]:
+        # the touched rows' gradients (kept by _send_rows), checked and clipped by value, and their group's hypers
         grad = split.grad
-        if check_finite and not torch.isfinite(torch.linalg.vector_norm(grad)):
+        if check_finite and not bool(torch.isfinite(torch.linalg.vector_norm(grad))):
             raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
         if plan.clip_value is not None:
             grad.clamp_(-plan.clip_value, plan.clip_value)
-        hypers = plan.hypers[self.optimizer.group_index(split.param)]
+        return grad, plan.hypers[self.optimizer.group_index(split.param)]
+
+    def _update_rows(self, name: str, split: RowSplit, plan: StepPlan, check_finite: bool) -> None:
+        # the touched rows of a split embedding, on the worker; the rest had their update
+        grad, hypers = self._checked_rows_grad(name, split, plan, check_finite)
         split.apply(self.optimizer, 0, len(grad), grad, hypers, plan.grad_scale)  # in passes of rows.PASS_NUMEL
         self.optimizer.end(split.param)
 
     def _update_rows_on_device(self, name: str, split: RowSplit, plan: StepPlan, check_finite: bool) -> Future:
         # the "forward" schedule (main thread): the update on the device now; the write-back after the updates that
         # the next forward waits for (end_window)
-        grad = split.grad
-        if check_finite and not bool(torch.isfinite(torch.linalg.vector_norm(grad))):
-            raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
-        if plan.clip_value is not None:
-            grad.clamp_(-plan.clip_value, plan.clip_value)
-        hypers = plan.hypers[self.optimizer.group_index(split.param)]
+        grad, hypers = self._checked_rows_grad(name, split, plan, check_finite)
         split.update_on_device(self.optimizer, grad, hypers, plan.grad_scale)
+        self.optimizer.end(split.param)
         split.grad = None  # the device may reuse it
         # the next forward's rows shared with this step come from the device copy until the write-back has landed
         landed, done = Future(), self.transfer.record()

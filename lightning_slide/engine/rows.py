@@ -114,7 +114,6 @@ class RowSplit:
         """The touched rows' update on their device copies ``state``, once the bulk has counted the step."""
         self.bulk_done.result()
         optimizer.update_gathered(self.param, self.state, grad, hypers, grad_scale)
-        optimizer.end(self.param)
 
     def write_back(self, optimizer: CpuOptimizer, name: str, lo: int, values: Tensor) -> None:
         """Put rows ``index[lo:lo + len(values)]`` of the device-updated ``state[name]`` into the host's tensor (on the
