@@ -7,7 +7,10 @@
 (b) everything on the GPU: fp32 masters, bf16 autocast, fused AdamW, Hugging Face recompute (uncapped);
 (c) FSDP2 ``fully_shard`` per block with ``CPUOffloadPolicy(pin_memory=True)`` and a bf16 MixedPrecisionPolicy on
     a world of one (uncapped);
-(d) the floor: torch's fused CPU AdamW over all parameters, timed alone.
+(d) the floor: torch's fused CPU AdamW over all parameters, timed alone;
+(e) (with --systems e) the same AdamW while the copy engines move a step's worth of bytes between pinned host
+    memory and the GPU, both ways (--copy-gb): the host-memory floor of any step that keeps the fp32 masters and
+    moments in RAM and moves its weights up and its gradients down every step. Also times the copies alone.
 
 Reports tokens/s (median step), peak GPU memory (allocated and reserved), peak host RSS of the process during
 that system's run (VmHWM, reset in between), host bytes per parameter, and for (a) a per-step timeline (CPU
@@ -329,6 +332,54 @@ def run_floor(layers: int, threads: int, repeats: int = 3):
             "host_peak": peak_rss(), "timeline": f"threads={threads}"}  # fmt: skip
 
 
+def run_floor_with_copies(layers: int, threads: int, up_gb: float, down_gb: float, repeats: int = 3):
+    # (e): AdamW's DRAM traffic and the copy engines' share the host's memory bandwidth (DESIGN.md); both ways at
+    # once, in 256 MiB copies from and into 1 GiB pinned buffers (larger than any cache)
+    start_measure()
+    model = make_model(layers)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+    chunk = 256 * 2**20
+    host_up = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
+    host_down = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
+    dev_up = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+    dev_down = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def copies(src: torch.Tensor, dst: torch.Tensor, total_gb: float, stream) -> None:
+        with torch.cuda.stream(stream):
+            for i in range(round(total_gb * 1e9 / chunk)):
+                lo = (i * chunk) % GIB
+                dst[lo : lo + chunk].copy_(src[lo : lo + chunk], non_blocking=True)
+
+    def step(adam: bool, transfers: bool) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if transfers:
+            copies(host_up, dev_up, up_gb, streams[0])
+            copies(dev_down, host_down, down_gb, streams[1])
+        if adam:
+            opt.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    step(True, True)  # warm-up
+    timed = {"adam_with_copies": [], "adam": [], "copies": []}
+    for _ in range(repeats):  # interleaved
+        timed["adam_with_copies"].append(step(True, True))
+        timed["adam"].append(step(True, False))
+        timed["copies"].append(step(False, True))
+    torch.set_num_threads(before)
+    median = {k: statistics.median(v) for k, v in timed.items()}
+    return {"step_s": median["adam_with_copies"], "gpu_alloc_gib": 0.0, "gpu_reserved_gib": 0.0,
+            "host_peak": peak_rss(), "timeline": f"threads={threads} up={up_gb}GB down={down_gb}GB "
+            f"adam_alone={median['adam']:.3f}s copies_alone={median['copies']:.3f}s"}  # fmt: skip
+
+
 def set_engine_constants(items: list[str]) -> str:
     """Set ``NAME=VALUE`` constants of the engine module, or ``MODULE.NAME=VALUE`` of another module of
     ``lightning_slide.engine`` (VALUE: True, False, "auto", an int or a float, as the constant's current type);
@@ -371,6 +422,11 @@ def main() -> None:
     parser.add_argument("--ids", choices=["uniform", "zipf"], default="uniform", help="token id distribution")
     parser.add_argument("--cpu-threads", type=int, default=None, help="(a): threads of the CPU optimizer")
     parser.add_argument("--main-threads", type=int, default=None, help="(a): torch threads of the training thread")
+    parser.add_argument(
+        "--copy-gb",
+        default="13.4,11.2",
+        help="(e): GB up,down per step (default: what (a)'s timeline reports at 8k tokens)",
+    )
     parser.add_argument("--out", default="benchmarks/results/core.csv")
     parser.add_argument("--trace-dir", default=None, help="(a), (b): write a profiled step's trace here")
     parser.add_argument("--engine-set", action="append", default=[], metavar="NAME=VALUE",
@@ -415,6 +471,10 @@ def main() -> None:
 
     if "d" in systems:
         record("d_cpu_adamw_floor", "", 0, run_floor, args.layers, max(1, os.cpu_count() - 1))
+    if "e" in systems:
+        up_gb, down_gb = (float(x) for x in args.copy_gb.split(","))
+        record("e_floor_with_copies", "", 0, run_floor_with_copies, args.layers, max(1, os.cpu_count() - 1), up_gb,
+               down_gb)  # fmt: skip
     if "a" in systems:
         module = BenchLM.create(args.layers)
         system = "a_slideformer" + engine_settings
