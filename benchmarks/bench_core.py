@@ -312,13 +312,17 @@ def run_fsdp2(layers, batch, seq, steps, warmup):
 # ---- (d) the CPU AdamW floor ---------------------------------------------------------------------------------------
 
 
-def run_floor(layers: int, threads: int, repeats: int = 3):
+def floor_optimizer(layers: int) -> torch.optim.AdamW:
+    """Fused CPU AdamW over a fresh model's parameters, each with a random gradient."""
     start_measure()
-    model = make_model(layers)
-    params = list(model.parameters())
+    params = list(make_model(layers).parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+    return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+
+
+def run_floor(layers: int, threads: int, repeats: int = 3):
+    opt = floor_optimizer(layers)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     times = []
@@ -327,7 +331,7 @@ def run_floor(layers: int, threads: int, repeats: int = 3):
         opt.step()
         times.append(time.perf_counter() - start)
     torch.set_num_threads(before)
-    del model, opt, params
+    del opt
     return {"step_s": statistics.median(times[1:]), "gpu_alloc_gib": 0.0, "gpu_reserved_gib": 0.0,
             "host_peak": peak_rss(), "timeline": f"threads={threads}"}  # fmt: skip
 
@@ -335,12 +339,7 @@ def run_floor(layers: int, threads: int, repeats: int = 3):
 def run_floor_with_copies(layers: int, threads: int, up_gb: float, down_gb: float, repeats: int = 3):
     # (e): AdamW's DRAM traffic and the copy engines' share the host's memory bandwidth (DESIGN.md); both ways at
     # once, in 256 MiB copies from and into 1 GiB pinned buffers (larger than any cache)
-    start_measure()
-    model = make_model(layers)
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
+    opt = floor_optimizer(layers)
     chunk = 256 * 2**20
     host_up = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
     host_down = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
