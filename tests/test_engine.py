@@ -366,10 +366,11 @@ def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weig
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
 def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer, schedule):
     # rows.py: the rows no token touched are updated when the backward starts, the touched ones when their
-    # gradients arrive ("backward", by the CPU worker) or the step ends ("forward": on the device, or by the worker),
-    # where the next forward takes the rows it shares with the step from the device. Chunks of 10 rows, so both parts
-    # run over several chunks (the vocabulary has 101 rows), and the touched rows of a chunk are updated 3 at a time.
-    # On the CPU the "device" runs the same kernel, so all give the same bits.
+    # gradients arrive ("backward", by the CPU worker, deferred to the next gather: those it reads first) or the step
+    # ends ("forward": on the device, or by the worker), where the next forward takes the rows it shares with the
+    # step from the device. Chunks of 10 rows, so both parts run over several chunks (the vocabulary has 101 rows),
+    # and the touched rows of a chunk are updated 3 at a time. On the CPU the "device" runs the same kernel, so all
+    # give the same bits.
     from lightning_slide.engine import engine as engine_module
     from lightning_slide.engine import rows
     from lightning_slide.engine.grads import GradRouter
@@ -382,6 +383,15 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer,
     monkeypatch.setattr(GradRouter, "start_split", lambda self, p, index, plan, **k: splits.append(
         (len(index), k["on_device"])) or start(self, p, index, plan, **k))  # fmt: skip
     monkeypatch.setattr(rows.RowCopy, "find", lambda self, index: copies.append(find(self, index)) or copies[-1])
+    deferred, apply_landed = [], rows.RowSplit.apply_landed
+
+    def late_rest(self, optimizer, hypers, only):  # a gather that read the rest's rows would find them stale
+        deferred.append((int(only.sum()), len(only)))
+        if len(deferred) % 2 == 0:
+            time.sleep(0.2)
+        apply_landed(self, optimizer, hypers, only)
+
+    monkeypatch.setattr(rows.RowSplit, "apply_landed", late_rest)
     write_back = rows.RowSplit.write_back
 
     def slow_write_back(self, optimizer, name, lo, values):  # the next forward comes before the host has the rows
@@ -399,12 +409,25 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer,
     assert [d for _, d in splits] == [False] + [device] * 5  # the first step creates the optimizer state
     assert len(copies) == (4 if device else 0)  # the forwards of steps 3 to 6 took rows from the device copy
     assert all(0 < int(held.sum()) < len(held) for held, _ in copies)  # and from the host
+    if schedule == "backward":  # steps 1-5: the next gather's rows first, then the rest; step 6's at the end of fit
+        firsts, rests = deferred[0::2], deferred[1::2]
+        assert len(firsts) == 6
+        assert all(0 < n < total for n, total in firsts[:5])
+        assert firsts[5][0] == 0
+        assert all(a + b == total for (a, total), (b, _) in zip(firsts, rests))
+    else:
+        assert not deferred
     monkeypatch.setattr(engine_module, "DEVICE_ROW_UPDATE", False)
     on_cpu, _ = fit(module, SlideFormerStrategy(**strategy))
+    monkeypatch.setattr(engine_module, "DEFER_TOUCHED_ROWS", False)
+    deferred.clear()
+    undeferred, _ = fit(module, SlideFormerStrategy(**strategy))
+    assert not deferred
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", False)
     one, _ = fit(module, SlideFormerStrategy(**strategy))
     assert all(torch.equal(on_cpu[k], one[k]) for k in one)
     assert all(torch.equal(on_device[k], one[k]) for k in one)
+    assert all(torch.equal(undeferred[k], one[k]) for k in one)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])

@@ -5,7 +5,8 @@ Update schedules (both give exactly the update plain training gives):
 
 - **"backward"** — used when nothing needs the global gradient norm. Each parameter's update runs on the CPU
   worker as soon as its last gradient of the step has arrived, while the device continues the backward pass
-  through earlier blocks. The next forward of a block waits only for that block's update.
+  through earlier blocks. The next forward of a block waits only for that block's update. (A split embedding's
+  touched rows wait for the next forward's gather, which waits only for the rows it reads: rows.py.)
 - **"forward"** — used with gradient clipping. The global norm needs every gradient, so nothing is updated
   before the backward pass ends. Then the updates are queued in forward order (embedding, block 0, 1, ...),
   each scaled by the clipping coefficient, and the next step's forward starts at once: block i's forward waits
@@ -24,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -77,6 +79,11 @@ _SPLIT_DECIDED_AFTER = 2  # "auto" decides from the second optimizer step's timi
 # of the "backward" schedule's backward (its state uploaded when the backward started) took 1.420-1.425 s instead of
 # 1.339, so that schedule keeps the CPU's update.
 DEVICE_ROW_UPDATE = True
+# With the "backward" schedule, a split embedding's touched rows are updated when the next step's forward gathers its
+# rows, those it reads first, the others while it runs (rows.py): the next forward no longer waits for the whole
+# update (~56 ms at 32k uniform token ids on the H200's host, a trace of bench_core.py). Their gradients wait in
+# landing buffers meanwhile, where they take at most half of them.
+DEFER_TOUCHED_ROWS = True
 
 
 @dataclass
@@ -502,10 +509,13 @@ class SlideEngine:
         return sum(o.version for o in unit.owners())
 
     def _wait_updates(self, unit: Unit) -> None:
-        for owner in unit.owners():
-            if owner.update_done is not None:
+        self._wait_for([owner.update_done for owner in unit.owners()])
+
+    def _wait_for(self, updates: list[Future | None]) -> None:
+        for update in updates:
+            if update is not None:
                 start = time.perf_counter()
-                owner.update_done.result()  # also re-raises a failed update
+                update.result()  # also re-raises a failed update
                 self.stats.wait_update_s += time.perf_counter() - start
 
     def _upload(self, unit: Unit, buf: DeviceBuffer) -> None:
@@ -604,7 +614,12 @@ class SlideEngine:
             if copy is not None and copy.landed.done():
                 copy = None  # the host holds its rows
         if copy is None:
-            self._wait_updates(unit)
+            # the last step's deferred update of its touched rows: those read here first (rows.py)
+            first = self.router.apply_deferred(index_host) if self.optimizer is not None else None
+            if first is not None:
+                self._wait_for([first])
+            else:
+                self._wait_updates(unit)
         rows = torch.empty(index_host.numel(), weight.shape[1], dtype=torch.float32, device=self.device)
         if copy is None:
             self._send_host_rows(weight.data, index_host, rows)
@@ -789,7 +804,8 @@ class SlideEngine:
             # the state exists after the first update (the previous gather waited for it, or it is on the device)
             has_state = bool(self.optimizer.optimizer.state.get(param))
             on_device = self._rows_on_device() and len(touched) == 1 and has_state
-            self.router.start_split(param, index, self._plan, on_device=on_device)
+            defer = DEFER_TOUCHED_ROWS and self.schedule == "backward"
+            self.router.start_split(param, index, self._plan, on_device=on_device, defer=defer)
 
     def _rows_on_device(self) -> bool:
         # the split embedding's touched rows are updated on the device (DEVICE_ROW_UPDATE, rows.py)
@@ -936,6 +952,7 @@ class SlideEngine:
         if self._ready:
             if self.optimizer is not None:
                 self.router.drain()
+                self.router.apply_deferred(None)
             self.worker.drain()
             if self.optimizer is not None:
                 self.router.row_copy = None  # the host holds it

@@ -93,6 +93,8 @@ class GradRouter:
         self._device_sq: dict[nn.Parameter, Tensor] = {}
         self.split: RowSplit | None = None  # this step's two-part embedding update (rows.py)
         self.row_copy: RowCopy | None = None  # the last device update of an embedding's touched rows (rows.py)
+        # the "backward" schedule: the last step's split whose touched rows wait for the next gather, and their hypers
+        self.deferred: tuple[RowSplit, Hypers] | None = None
         self._write_back_later: tuple | None = None  # the "forward" schedule: a write-back queued at end_window
         self._row_scratch: dict[str, Tensor] = {}  # its host buffers, kept across steps
         self._rows_grad: Tensor | None = None  # the touched rows' gradients, kept for the "forward" schedule
@@ -175,11 +177,14 @@ class GradRouter:
             self._put(partial(self._write_back, *self._write_back_later), 0)
             self._write_back_later = None
 
-    def start_split(self, param: nn.Parameter, index: Tensor, plan: StepPlan, *, on_device: bool) -> None:
+    def start_split(
+        self, param: nn.Parameter, index: Tensor, plan: StepPlan, *, on_device: bool, defer: bool = False
+    ) -> None:
         """Update ``param``'s rows outside ``index`` now, and those in it when their gradients arrive (rows.py).
 
         Args:
             on_device: ("forward" schedule) update those on the device, once the engine has set ``split.state``.
+            defer: ("backward" schedule) leave their gradients in landing buffers for ``apply_deferred``.
         """
         if self.split is not None:
             raise RuntimeError(
@@ -188,9 +193,33 @@ class GradRouter:
                 " backward, or set lightning_slide.engine.engine.SPLIT_EMBEDDING_UPDATE = False."
             )
         self.drain()  # a write-back queued at end_window reaches the worker before the bulk
-        self.split = RowSplit(param, index, self.transfer.chunk_numel, self._row_scratch, on_device=on_device)
+        self.apply_deferred(None)  # and the last step's deferred update, where no gather has queued it
+        self.split = RowSplit(
+            param, index, self.transfer.chunk_numel, self._row_scratch, on_device=on_device, defer=defer
+        )
         hypers = plan.hypers[self.optimizer.group_index(param)]
         self.split.bulk_done = self.worker.submit(self.split.bulk, self.optimizer, hypers)
+
+    def apply_deferred(self, first: Tensor | None) -> Future | None:
+        """Queue the last step's deferred update of its touched rows (rows.py), those also in ``first`` (sorted host
+        ids) before the others; return the future of that first part, ``None`` if nothing was deferred. The
+        embedding's ``update_done`` becomes the whole update's (main thread, after ``drain``)."""
+        if self.deferred is None:
+            return None
+        (split, hypers), self.deferred = self.deferred, None
+        ahead = torch.isin(split.index, first) if first is not None else torch.zeros(len(split.index), dtype=torch.bool)
+        done = self.worker.submit(split.apply_landed, self.optimizer, hypers, ahead)
+        self._owner_of[split.param].update_done = self.worker.submit(self._finish_deferred, split, hypers, ~ahead)
+        return done
+
+    def _finish_deferred(self, split: RowSplit, hypers: Hypers, rest: Tensor) -> None:
+        try:
+            split.apply_landed(self.optimizer, hypers, rest)
+            self.optimizer.end(split.param)
+        finally:
+            for _, landing, _ in split.landed:
+                self.transfer.give_landing(landing)
+            split.landed = []
 
     def close(self) -> None:
         self._queue.put(None)
@@ -327,6 +356,8 @@ class GradRouter:
                 f"Internal error: the embedding's gradient has {len(index)} rows, but its forward passes gathered"
                 f" {len(split.index)}."
             )
+        # deferred, the rows' gradients hold their landing buffers into the next step: at most half of them
+        defer = plan is not None and split.defer and -(-len(index) // split.rows_per_chunk) <= tr.landing_count // 2
         if plan is None:
             flat = values.view(-1)
             self._device_sq[split.param] = torch.dot(flat, flat)
@@ -344,10 +375,14 @@ class GradRouter:
             target = split.grad[lo:hi] if plan is None else landing[: stage.numel()].view(stage.shape)
             event = tr.download(stage, target)
             self.download_bytes += 4 * stage.numel()
-            if plan is not None:
+            if defer:
+                split.landed.append((lo, landing, target))
+            elif plan is not None:
                 self.worker.submit(self._apply_rows, split, lo, hi, landing, target, hypers, after=event)
-        if plan is None:
+        if plan is None or defer:
             self.worker.submit(lambda: None, after=event)  # the update, queued later, finds the rows landed
+            if defer:
+                self.deferred = (split, hypers)
         else:
             self.worker.submit(self.optimizer.end, split.param)
 

@@ -57,6 +57,7 @@ class Transfer:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.chunk_numel = chunk_numel
+        self.landing_count = landing_buffers
         self.upload_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.download_stream = torch.cuda.Stream(device) if self.is_cuda else None
         # NOTE: uploads convert fp32 masters to bf16 on the device (PCIe has room to spare; the CPU does not), and
@@ -227,6 +228,7 @@ class Transfer:
         """Free all but ``keep`` of the landing buffers (call while none is in use)."""
         while self._landing.qsize() > keep:
             self.release(self._landing.get_nowait())
+        self.landing_count = min(self.landing_count, keep)
 
     def release(self, buffer: Tensor) -> None:
         """Unpin a buffer from :meth:`host_empty` that no copy uses any more (it is freed with its last tensor)."""
