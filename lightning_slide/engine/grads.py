@@ -4,8 +4,9 @@ Two ways a gradient can go, chosen per run by the engine:
 
 - **streamed** (update schedules "backward" and "norm-first", no accumulation): each chunk of a gradient lands in a
   small pinned buffer from a pool and the CPU worker applies the optimizer to the matching rows of the parameter
-  at once. No full gradient ever exists in host memory. ("norm-first" runs a backward pass before, whose gradients
-  only add their squares up on the device: ``measure``.)
+  at once (a split embedding's touched rows wait there for the next step's gather: ``apply_deferred``). No full
+  gradient ever exists in host memory. ("norm-first" runs a backward pass before, whose gradients only add their
+  squares up on the device: ``measure``.)
 - **retained** (accumulation, or update schedule "forward" for exact global-norm clipping): gradients are kept
   in host buffers for the whole accumulation window. The first contribution is copied straight into them,
   later ones are added by the worker; the update runs once the window is complete.
