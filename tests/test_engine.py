@@ -430,6 +430,40 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer,
     assert all(torch.equal(undeferred[k], one[k]) for k in one)
 
 
+def test_touched_rows_are_not_deferred_where_they_would_hold_most_landing_buffers(monkeypatch):
+    # deferred, the touched rows' gradients keep their landing buffers into the next step; with a pool of 3 buffers
+    # of 10 rows, a batch's ~30 rows would hold them all (and the sender would wait for itself): updated at once
+    from lightning_slide.engine import engine as engine_module
+    from lightning_slide.engine import rows
+    from lightning_slide.engine.transfer import Transfer
+
+    take = Transfer.take_landing
+
+    def take_or_fail(self, check):  # fail, rather than hang, where no buffer comes back
+        start = time.monotonic()
+
+        def bounded():
+            check()
+            if time.monotonic() - start > 20:
+                raise RuntimeError("no landing buffer came back in 20 s")
+
+        return take(self, bounded)
+
+    monkeypatch.setattr(Transfer, "take_landing", take_or_fail)
+
+    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
+    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "landing_buffers", 3)
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
+    deferred, apply_landed = [], rows.RowSplit.apply_landed
+    monkeypatch.setattr(rows.RowSplit, "apply_landed", lambda self, *a: deferred.append(1) or apply_landed(self, *a))
+    module = CausalLM(tiny_config("llama"))
+    split, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule="backward"), steps=3)
+    assert not deferred
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", False)
+    one, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule="backward"), steps=3)
+    assert all(torch.equal(split[k], one[k]) for k in one)
+
+
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_the_touched_rows_update_on_the_device_is_in_the_memory_plan(monkeypatch, clip):
     # schedule "forward": the rows' gradient, values and both moments stay on the device from the step's end until
