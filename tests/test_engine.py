@@ -485,9 +485,11 @@ def test_the_touched_rows_update_on_the_device_is_in_the_memory_plan(monkeypatch
     assert reserved == [queued + (4 * rows * 32 * 4 if clip else 0)]  # AdamW, hidden size 32, fp32
 
 
-def test_nonfinite_gradient_is_not_written_back_from_the_device_rows(monkeypatch):
-    # "forward" schedule without clipping: a NaN in the embedding's gradient alone stops training before the touched
-    # rows' device update, so it never reaches the host's masters nor the next forward
+@pytest.mark.parametrize("schedule", ["forward", "backward"])
+def test_nonfinite_embedding_gradient_never_reaches_the_touched_rows(monkeypatch, schedule):
+    # without clipping, a NaN in the embedding's gradient alone stops training before the touched rows' update:
+    # "forward", on the device, so it never reaches the host's masters nor the next forward; "backward", deferred to
+    # the next gather (rows.py)
     from lightning_slide.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
@@ -502,7 +504,7 @@ def test_nonfinite_gradient_is_not_written_back_from_the_device_rows(monkeypatch
 
     kept = []
     with pytest.raises(NonFiniteGradientError, match="optimizer step 3 in 'model.model.embed_tokens'"):
-        fit(NaNIntoEmbedding(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule="forward"),
+        fit(NaNIntoEmbedding(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule),
             steps=5, callbacks=[_KeepModule(kept)])  # fmt: skip
     assert all(bool(v.isfinite().all()) for v in kept[0].state_dict().values())
 
