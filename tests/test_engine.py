@@ -149,6 +149,37 @@ def test_predict_on_a_plain_model_returns_logits():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_embedding_rows_go_up_between_block_0_and_block_1(monkeypatch, clip):
+    # the forward needs the rows and block 0 first: each training gather sends block 0 before the rows and the
+    # window's next block after them (engine.gather_rows), in both schedules
+    from lightning_slide.engine.engine import SlideEngine
+
+    events, upload, send, gather = [], SlideEngine._upload, SlideEngine._send_host_rows, SlideEngine.gather_rows
+
+    def logged_upload(self, unit, buf):
+        events.append(self._block_index.get(unit, "other"))
+        upload(self, unit, buf)
+
+    def logged_send(self, source, index, out):
+        events.append("rows")
+        send(self, source, index, out)
+
+    def logged_gather(self, *args, **kwargs):
+        events.append("[")
+        out = gather(self, *args, **kwargs)
+        events.append("]")
+        return out
+
+    monkeypatch.setattr(SlideEngine, "_upload", logged_upload)
+    monkeypatch.setattr(SlideEngine, "_send_host_rows", logged_send)
+    monkeypatch.setattr(SlideEngine, "gather_rows", logged_gather)
+    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=3), steps=3, gradient_clip_val=clip)
+    gathers = "".join(str(e) for e in events).split("[")[1:]
+    assert len(gathers) == 3
+    assert all(g.startswith("0rows1]") for g in gathers)  # each step's blocks 0 and 1 were updated: both go up
+
+
 @pytest.mark.parametrize(("tied", "clip"), [(True, 0.5), (False, 0.5), (False, None)])
 def test_checkpoint_and_resume_at_epoch_end_continue_exactly(monkeypatch, tmp_path, tied, clip):
     # the embedding's update split in two (rows.py). Clipping: schedule "forward"; untied, its touched rows are updated
