@@ -151,9 +151,13 @@ def test_predict_on_a_plain_model_returns_logits():
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_the_embedding_rows_go_up_between_block_0_and_block_1(monkeypatch, clip):
-    # the forward needs the rows and block 0 first: each training gather sends block 0 before the rows and the
-    # window's next block after them (engine.gather_rows), in both schedules
+    # the forward needs the rows and block 0 first: each training gather sends block 0 before the rows, and the
+    # window's next block goes up once block 0's forward is queued (engine.gather_rows), in both schedules, where the
+    # embedding's update is split
+    from lightning_slide.engine import engine as engine_module
     from lightning_slide.engine.engine import SlideEngine
+
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
 
     events, upload, send, gather = [], SlideEngine._upload, SlideEngine._send_host_rows, SlideEngine.gather_rows
 
@@ -177,7 +181,7 @@ def test_the_embedding_rows_go_up_between_block_0_and_block_1(monkeypatch, clip)
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=3), steps=3, gradient_clip_val=clip)
     gathers = "".join(str(e) for e in events).split("[")[1:]
     assert len(gathers) == 3
-    assert all(g.startswith("0rows1]") for g in gathers)  # each step's blocks 0 and 1 were updated: both go up
+    assert all(g.startswith("0rows]1") for g in gathers)  # each step's blocks 0 and 1 were updated: both go up
 
 
 @pytest.mark.parametrize(("tied", "clip"), [(True, 0.5), (False, 0.5), (False, None)])

@@ -518,6 +518,10 @@ class SlideEngine:
                 update.result()  # also re-raises a failed update
                 self.stats.wait_update_s += time.perf_counter() - start
 
+    def _updated(self, unit: Unit) -> bool:
+        # no update of ``unit`` is pending
+        return all(owner.update_done is None or owner.update_done.done() for owner in unit.owners())
+
     def _upload(self, unit: Unit, buf: DeviceBuffer) -> None:
         self._wait_updates(unit)
         buf.ready = self.transfer.upload(list(zip((p.data for p in unit.params), buf.views(unit))), after=buf.free)
@@ -557,7 +561,7 @@ class SlideEngine:
         last = index == len(self.blocks) - 1
         if forward:
             for other in self._own:
-                if last or all(o.update_done is None or o.update_done.done() for o in other.owners()):
+                if last or self._updated(other):
                     self.prefetch(other)
 
     def wants_grad(self, unit: Unit, index: int) -> bool:
@@ -595,10 +599,11 @@ class SlideEngine:
         """
         if torch.is_grad_enabled():
             self._order.setdefault(unit)
-        # NOTE: block 0 goes up before the rows, the window's next blocks after them. A trace of bench_core.py (32k,
-        # "backward") had blocks 0 and 1 go up first at each step's start, so once the rows were ready they still
-        # waited for block 1 (~17 ms); with the "forward" schedule, waiting here for block 1's update also kept the
-        # device from starting block 0.
+        # NOTE: block 0 goes up before the rows; the window's next blocks once block 0's forward is queued (release).
+        # A trace of bench_core.py (32k, "backward") had blocks 0 and 1 go up first at each step's start, so once the
+        # rows were ready they still waited for block 1 (~17 ms); with the "forward" schedule, waiting here for block
+        # 1's update also kept the device from starting block 0. Only while the rows wait for the embedding's whole
+        # update (the last of an unsplit "backward" step's) do the next blocks whose updates are done go up first.
         look_ahead = self.blocks[: self.num_slots - 1]
         for block in look_ahead[:1]:
             self.prefetch(block)
@@ -624,6 +629,10 @@ class SlideEngine:
             if first is not None:
                 self._wait_for([first])
             else:
+                if not self._updated(unit):  # the rows wait for the embedding's update: ready blocks go up meanwhile
+                    for block in look_ahead[1:]:
+                        if self._updated(block):
+                            self.prefetch(block)
                 self._wait_updates(unit)
         rows = torch.empty(index_host.numel(), weight.shape[1], dtype=torch.float32, device=self.device)
         if copy is None:
@@ -636,8 +645,6 @@ class SlideEngine:
             held, at = held.to(self.device), at.to(self.device)
             rows[~held] = missing
             rows[held] = copy.values[at[held]]
-        for block in look_ahead[1:]:
-            self.prefetch(block)
         return index, inverse.view(ids.shape), rows
 
     def _send_host_rows(self, source: Tensor, index: Tensor, out: Tensor) -> None:
