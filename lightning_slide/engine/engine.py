@@ -600,10 +600,11 @@ class SlideEngine:
         if torch.is_grad_enabled():
             self._order.setdefault(unit)
         # NOTE: block 0 goes up before the rows; the window's next blocks once block 0's forward is queued (release).
-        # A trace of bench_core.py (32k, "backward") had blocks 0 and 1 go up first at each step's start, so once the
-        # rows were ready they still waited for block 1 (~17 ms); with the "forward" schedule, waiting here for block
-        # 1's update also kept the device from starting block 0. Only while the rows wait for the embedding's whole
-        # update (the last of an unsplit "backward" step's) do the next blocks whose updates are done go up first.
+        # A trace of bench_core.py (32k, "backward") had blocks 0 and 1 go up first at each step's start (32 ms),
+        # before the rows: rows ready sooner (the deferred update, rows.py) would wait for block 1 (~17 ms). With the
+        # "forward" schedule, waiting here for block 1's update also kept the device from starting block 0. Only
+        # while the rows wait for the embedding's whole update (the last of an unsplit "backward" step's) do the next
+        # blocks whose updates are done go up first.
         look_ahead = self.blocks[: self.num_slots - 1]
         for block in look_ahead[:1]:
             self.prefetch(block)
