@@ -208,7 +208,7 @@ class GradRouter:
         if self.deferred is None:
             return None
         (split, hypers), self.deferred = self.deferred, None
-        ahead = torch.isin(split.index, first) if first is not None else torch.zeros(len(split.index), dtype=torch.bool)
+        ahead = torch.isin(split.index, split.index[:0] if first is None else first)
         done = self.worker.submit(split.apply_landed, self.optimizer, hypers, ahead)
         self._owner_of[split.param].update_done = self.worker.submit(self._finish_deferred, split, hypers, ~ahead)
         return done
@@ -370,12 +370,7 @@ class GradRouter:
             hypers = plan.hypers[self.optimizer.group_index(split.param)]
         for lo in range(0, len(index), split.rows_per_chunk):
             hi = min(len(index), lo + split.rows_per_chunk)
-            landing = None if plan is None else tr.take_landing(self.worker.raise_if_failed)
-            stage = tr.down_stage(values[lo:hi].numel()).view(values[lo:hi].shape)
-            stage.copy_(values[lo:hi])
-            target = split.grad[lo:hi] if plan is None else landing[: stage.numel()].view(stage.shape)
-            event = tr.download(stage, target)
-            self.download_bytes += 4 * stage.numel()
+            landing, target, event = self._land(values[lo:hi], split.grad[lo:hi] if plan is None else None)
             if defer:
                 split.landed.append((lo, landing, target))
             elif plan is not None:
@@ -386,6 +381,20 @@ class GradRouter:
                 self.deferred = (split, hypers)
         else:
             self.worker.submit(self.optimizer.end, split.param)
+
+    def _land(self, part: Tensor, target: Tensor | None = None) -> tuple[Tensor | None, Tensor, object]:
+        """Copy the device rows ``part`` through a staging chunk into the host tensor ``target``, or into a landing
+        buffer taken for them; returns that buffer (``None`` with ``target``), the host rows and the copy's event."""
+        tr = self.transfer
+        landing = None
+        if target is None:
+            landing = tr.take_landing(self.worker.raise_if_failed)
+            target = landing[: part.numel()].view(part.shape)
+        stage = tr.down_stage(part.numel()).view(part.shape)
+        stage.copy_(part)
+        event = tr.download(stage, target)
+        self.download_bytes += 4 * part.numel()
+        return landing, target, event
 
     def _kept_rows(self, shape: tuple[int, ...]) -> Tensor:
         # pinned, kept across steps; a step with more distinct tokens than any before takes a larger one
@@ -542,13 +551,7 @@ class GradRouter:
                 for name, t in split.state.items():
                     tr.keep_alive(t)
                     for lo in range(0, len(t), split.rows_per_chunk):
-                        part = t[lo : lo + split.rows_per_chunk]
-                        landing = tr.take_landing(self.worker.raise_if_failed)
-                        stage = tr.down_stage(part.numel()).view(part.shape)
-                        stage.copy_(part)
-                        target = landing[: part.numel()].view(part.shape)
-                        event = tr.download(stage, target)
-                        self.download_bytes += 4 * part.numel()
+                        landing, target, event = self._land(t[lo : lo + split.rows_per_chunk])
                         last = self.worker.submit(self._write_back_rows, split, name, lo, landing, target, after=event)
             split.state = None  # all read by the copies above (keep_alive): the device may reuse it
         except BaseException as err:
