@@ -52,6 +52,22 @@ def test_low_arithmetic_intensity_exposes_missing_synchronization(clip, schedule
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
+def test_deferred_embedding_rows_on_cuda_match(monkeypatch):
+    # rows.py, "backward" schedule: the touched rows' update waits for the next gather, which sends the other rows
+    # while the worker updates those it reads, then those
+    from lightning_slide.engine import engine as engine_module
+    from lightning_slide.engine.grads import GradRouter
+
+    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
+    gathers, apply_deferred = [], GradRouter.apply_deferred
+    monkeypatch.setattr(GradRouter, "apply_deferred", lambda self, first: gathers.append(
+        first is not None and self.deferred is not None) or apply_deferred(self, first))  # fmt: skip
+    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, update_schedule="backward"), None)
+    assert sum(gathers) == 3  # steps 2 to 4
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_activation_offload_on_cuda_matches(clip):
     ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, offload_activations=True), clip)

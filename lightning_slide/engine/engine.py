@@ -624,29 +624,37 @@ class SlideEngine:
             copy, self.router.row_copy = self.router.row_copy, None
             if copy is not None and copy.landed.done():
                 copy = None  # the host holds its rows
-        if copy is None:
-            # the last step's deferred update of its touched rows: those read here first (rows.py)
-            first = self.router.apply_deferred(index_host) if self.optimizer is not None else None
-            if first is not None:
-                self._wait_for([first])
-            else:
-                if not self._updated(unit):  # the rows wait for the embedding's update: ready blocks go up meanwhile
-                    for block in look_ahead[1:]:
-                        if self._updated(block):
-                            self.prefetch(block)
-                self._wait_updates(unit)
+        # the last step's deferred update of its touched rows: those read here first (rows.py)
+        deferred = self.router.apply_deferred(index_host) if copy is None and self.optimizer is not None else None
+        if copy is None and deferred is None and not self._updated(unit):
+            for block in look_ahead[1:]:  # the rows wait for the embedding's update: ready blocks go up meanwhile
+                if self._updated(block):
+                    self.prefetch(block)
+            self._wait_updates(unit)
         rows = torch.empty(index_host.numel(), weight.shape[1], dtype=torch.float32, device=self.device)
-        if copy is None:
+        if copy is None and deferred is None:
             self._send_host_rows(weight.data, index_host, rows)
+        elif copy is None:
+            # the rows the deferred update does not touch are final: they go up while the worker updates the others
+            first, first_rows = deferred
+            pending = torch.isin(index_host, first_rows)
+            self._send_host_rows_at(weight.data, index_host, rows, ~pending)
+            self._wait_for([first])
+            self._send_host_rows_at(weight.data, index_host, rows, pending)
         else:
             held, at = copy.find(index_host)
-            missing = torch.empty(int((~held).sum()), weight.shape[1], dtype=torch.float32, device=self.device)
-            self._send_host_rows(weight.data, index_host[~held], missing)
+            self._send_host_rows_at(weight.data, index_host, rows, ~held)
             self.transfer.wait(copy.event)
             held, at = held.to(self.device), at.to(self.device)
-            rows[~held] = missing
             rows[held] = copy.values[at[held]]
         return index, inverse.view(ids.shape), rows
+
+    def _send_host_rows_at(self, source: Tensor, index: Tensor, rows: Tensor, where: Tensor) -> None:
+        """Copy rows ``index[where]`` of the host tensor ``source`` into ``rows[where]`` (device); ``where`` is a host
+        mask over ``index``."""
+        part = torch.empty(int(where.sum()), *rows.shape[1:], dtype=rows.dtype, device=self.device)
+        self._send_host_rows(source, index[where], part)
+        rows[where.to(self.device)] = part
 
     def _send_host_rows(self, source: Tensor, index: Tensor, out: Tensor) -> None:
         """Copy rows ``index`` of the host tensor ``source`` into the device tensor ``out``; the current stream waits

@@ -201,17 +201,20 @@ class GradRouter:
         hypers = plan.hypers[self.optimizer.group_index(param)]
         self.split.bulk_done = self.worker.submit(self.split.bulk, self.optimizer, hypers)
 
-    def apply_deferred(self, first: Tensor | None) -> Future | None:
+    def apply_deferred(self, first: Tensor | None) -> tuple[Future, Tensor] | None:
         """Queue the last step's deferred update of its touched rows (rows.py), those also in ``first`` (sorted host
-        ids) before the others; return the future of that first part, ``None`` if nothing was deferred. The
-        embedding's ``update_done`` becomes the whole update's (main thread, after ``drain``)."""
+        ids) before the others; return the future of that first part and its rows (sorted host ids), ``None`` if
+        nothing was deferred. With ``first``, return once the bulk has run: the rows outside the deferred ones are
+        then final. The embedding's ``update_done`` becomes the whole update's (main thread, after ``drain``)."""
         if self.deferred is None:
             return None
         (split, hypers), self.deferred = self.deferred, None
         ahead = torch.isin(split.index, split.index[:0] if first is None else first)
         done = self.worker.submit(split.apply_landed, self.optimizer, hypers, ahead)
         self._owner_of[split.param].update_done = self.worker.submit(self._finish_deferred, split, hypers, ~ahead)
-        return done
+        if first is not None:
+            split.bulk_done.result()  # queued before both parts; also re-raises a failed bulk
+        return done, split.index[ahead]
 
     def _finish_deferred(self, split: RowSplit, hypers: Hypers, rest: Tensor) -> None:
         try:
