@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from . import transfer
 from .activations import ActivationStash
 from .functions import EmbeddingRowsFunction, run_unit
 from .grads import Contribution, GradRouter, NonFiniteGradientError, StepPlan, _nonfinite_message
@@ -51,7 +52,7 @@ from .planner import (
 )
 from .rows import RowSplit
 from .tiling import TILES, TiledMLP, gated_mlp
-from .transfer import STAGES, Transfer
+from .transfer import Transfer
 from .units import DeviceBuffer, Unit, max_sizes
 from .worker import CpuWorker
 
@@ -292,7 +293,7 @@ class SlideEngine:
             return sum(n * torch.empty((), dtype=d).element_size() for d, n in sizes.items())
 
         own = sum(nbytes(u.numel) for u in [self.head, *self.leftovers] if u is not None)
-        staging = 2 * STAGES * 4 * self._chunk_numel  # the two rings of fp32 staging chunks (transfer.py)
+        staging = 2 * transfer.STAGES * 4 * self._chunk_numel  # the two rings of fp32 staging chunks (transfer.py)
         return (num_slots or self.num_slots) * nbytes(max_sizes(self.blocks)) + own + staging
 
     def with_offloaded_state(self, state_dict: dict) -> dict:
@@ -599,12 +600,13 @@ class SlideEngine:
         """
         if torch.is_grad_enabled():
             self._order.setdefault(unit)
-        # NOTE: block 0 goes up before the rows; the window's next blocks once block 0's forward is queued (release).
-        # A trace of bench_core.py (32k, "backward") had blocks 0 and 1 go up first at each step's start (32 ms),
-        # before the rows: rows ready sooner (the deferred update, rows.py) would wait for block 1 (~17 ms). With the
-        # "forward" schedule, waiting here for block 1's update also kept the device from starting block 0. Only
-        # while the rows wait for the embedding's whole update (the last of an unsplit "backward" step's) do the next
-        # blocks whose updates are done go up first.
+        # NOTE: block 0 goes up before the rows, the window's next blocks once block 0's forward is queued (release):
+        # with the "forward" schedule, waiting here for block 1's update kept the device from starting block 0. But
+        # while the rows wait for an update on the worker (the embedding's whole update, or the deferred update's
+        # first part, rows.py), the next blocks whose updates are done go up meanwhile: an upload that overlaps the
+        # forward is slower, each staging chunk's conversion waiting for the running matmul. A trace of bench_core.py
+        # (32k, "backward", 9c7ff5e) had block 1 go up during block 0's forward in ~27 ms (~16 ms when nothing
+        # computes), and the GPU idle 28 ms before block 1.
         look_ahead = self.blocks[: self.num_slots - 1]
         for block in look_ahead[:1]:
             self.prefetch(block)
@@ -627,9 +629,7 @@ class SlideEngine:
         # the last step's deferred update of its touched rows: those read here first (rows.py)
         deferred = self.router.apply_deferred(index_host) if copy is None and self.optimizer is not None else None
         if copy is None and deferred is None and not self._updated(unit):
-            for block in look_ahead[1:]:  # the rows wait for the embedding's update: ready blocks go up meanwhile
-                if self._updated(block):
-                    self.prefetch(block)
+            self._prefetch_updated(look_ahead[1:])
             self._wait_updates(unit)
         rows = torch.empty(index_host.numel(), weight.shape[1], dtype=torch.float32, device=self.device)
         if copy is None and deferred is None:
@@ -639,6 +639,7 @@ class SlideEngine:
             first, first_rows = deferred
             pending = torch.isin(index_host, first_rows)
             self._send_host_rows_at(weight.data, index_host, rows, ~pending)
+            self._prefetch_updated(look_ahead[1:])
             self._wait_for([first])
             self._send_host_rows_at(weight.data, index_host, rows, pending)
         else:
@@ -648,6 +649,11 @@ class SlideEngine:
             held, at = held.to(self.device), at.to(self.device)
             rows[held] = copy.values[at[held]]
         return index, inverse.view(ids.shape), rows
+
+    def _prefetch_updated(self, blocks: list[Unit]) -> None:
+        for block in blocks:
+            if self._updated(block):
+                self.prefetch(block)
 
     def _send_host_rows_at(self, source: Tensor, index: Tensor, rows: Tensor, where: Tensor) -> None:
         """Copy rows ``index[where]`` of the host tensor ``source`` into ``rows[where]`` (device); ``where`` is a host
