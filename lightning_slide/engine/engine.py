@@ -603,10 +603,10 @@ class SlideEngine:
         # NOTE: block 0 goes up before the rows, the window's next blocks once block 0's forward is queued (release):
         # with the "forward" schedule, waiting here for block 1's update kept the device from starting block 0. But
         # while the rows wait for an update on the worker (the embedding's whole update, or the deferred update's
-        # first part, rows.py), the next blocks whose updates are done go up meanwhile: an upload that overlaps the
-        # forward is slower, each staging chunk's conversion waiting for the running matmul. A trace of bench_core.py
-        # (32k, "backward", 9c7ff5e) had block 1 go up during block 0's forward in ~27 ms (~16 ms when nothing
-        # computes), and the GPU idle 28 ms before block 1.
+        # first part, rows.py), the next blocks whose updates are done go up meanwhile: an upload issued during the
+        # forward is slower, each staging chunk's conversion waiting for the running matmul, and blocks the thread.
+        # A trace of bench_core.py (32k, "backward", 9c7ff5e) had block 1 go up during block 0's forward in ~26 ms
+        # (~16 ms when nothing computes), and the GPU idle 28 ms before block 1 while this thread issued block 2's.
         look_ahead = self.blocks[: self.num_slots - 1]
         for block in look_ahead[:1]:
             self.prefetch(block)
