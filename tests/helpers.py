@@ -191,3 +191,13 @@ def kernel_path(module, path: str, monkeypatch) -> str:
     if path == "torch":
         monkeypatch.setattr(module, "_INTERPRET", False)
     return path
+
+
+def count_deferred_gathers(monkeypatch) -> list[bool]:
+    """Record, for each call of ``GradRouter.apply_deferred``, whether a gather queued a deferred update (rows.py)."""
+    from lightning_slide.engine.grads import GradRouter
+
+    gathers, apply_deferred = [], GradRouter.apply_deferred
+    monkeypatch.setattr(GradRouter, "apply_deferred", lambda self, first: gathers.append(
+        first is not None and self.deferred is not None) or apply_deferred(self, first))  # fmt: skip
+    return gathers

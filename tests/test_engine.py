@@ -17,6 +17,7 @@ from helpers import (
     CausalLM,
     LargestTensor,
     StackLM,
+    count_deferred_gathers,
     fit,
     global_error,
     max_rel_error,
@@ -490,14 +491,11 @@ def test_rows_sent_before_the_deferred_update_wait_for_the_bulk(monkeypatch):
     # bulk is still running when the next step starts
     from lightning_slide.engine import engine as engine_module
     from lightning_slide.engine import rows
-    from lightning_slide.engine.grads import GradRouter
 
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
     bulk = rows.RowSplit.bulk
     monkeypatch.setattr(rows.RowSplit, "bulk", lambda *a: time.sleep(0.3) or bulk(*a))
-    gathers, apply_deferred = [], GradRouter.apply_deferred
-    monkeypatch.setattr(GradRouter, "apply_deferred", lambda self, first: gathers.append(
-        first is not None and self.deferred is not None) or apply_deferred(self, first))  # fmt: skip
+    gathers = count_deferred_gathers(monkeypatch)
     module = CausalLM(tiny_config("llama"))
     module.requires_grad_(False)
     module.model.model.embed_tokens.requires_grad_(True)

@@ -4,7 +4,7 @@ and errors raised before memory is pinned."""
 import pytest
 import torch
 
-from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
+from helpers import CausalLM, StackLM, count_deferred_gathers, fit, global_error, max_rel_error, tiny_config, token_data
 from lightning_slide import SlideFormerStrategy
 
 pytestmark = pytest.mark.gpu
@@ -56,12 +56,9 @@ def test_deferred_embedding_rows_on_cuda_match(monkeypatch):
     # rows.py, "backward" schedule: the touched rows' update waits for the next gather, which sends the other rows
     # while the worker updates those it reads, then those
     from lightning_slide.engine import engine as engine_module
-    from lightning_slide.engine.grads import GradRouter
 
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
-    gathers, apply_deferred = [], GradRouter.apply_deferred
-    monkeypatch.setattr(GradRouter, "apply_deferred", lambda self, first: gathers.append(
-        first is not None and self.deferred is not None) or apply_deferred(self, first))  # fmt: skip
+    gathers = count_deferred_gathers(monkeypatch)
     ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, update_schedule="backward"), None)
     assert sum(gathers) == 3  # steps 2 to 4
     err, where = max_rel_error(ours, ref)

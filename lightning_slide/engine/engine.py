@@ -628,13 +628,14 @@ class SlideEngine:
                 copy = None  # the host holds its rows
         # the last step's deferred update of its touched rows: those read here first (rows.py)
         deferred = self.router.apply_deferred(index_host) if copy is None and self.optimizer is not None else None
-        if copy is None and deferred is None and not self._updated(unit):
-            self._prefetch_updated(look_ahead[1:])
-            self._wait_updates(unit)
         rows = torch.empty(index_host.numel(), weight.shape[1], dtype=torch.float32, device=self.device)
-        if copy is None and deferred is None:
-            self._send_host_rows(weight.data, index_host, rows)
-        elif copy is None:
+        if copy is not None:
+            held, at = copy.find(index_host)
+            self._send_host_rows_at(weight.data, index_host, rows, ~held)
+            self.transfer.wait(copy.event)
+            held, at = held.to(self.device), at.to(self.device)
+            rows[held] = copy.values[at[held]]
+        elif deferred is not None:
             # the rows the deferred update does not touch are final: they go up while the worker updates the others
             first, first_rows = deferred
             pending = torch.isin(index_host, first_rows)
@@ -643,11 +644,10 @@ class SlideEngine:
             self._wait_for([first])
             self._send_host_rows_at(weight.data, index_host, rows, pending)
         else:
-            held, at = copy.find(index_host)
-            self._send_host_rows_at(weight.data, index_host, rows, ~held)
-            self.transfer.wait(copy.event)
-            held, at = held.to(self.device), at.to(self.device)
-            rows[held] = copy.values[at[held]]
+            if not self._updated(unit):
+                self._prefetch_updated(look_ahead[1:])
+                self._wait_updates(unit)
+            self._send_host_rows(weight.data, index_host, rows)
         return index, inverse.view(ids.shape), rows
 
     def _prefetch_updated(self, blocks: list[Unit]) -> None:
