@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -530,7 +531,8 @@ def flash_attention(
         softmax_scale: defaults to 1 / sqrt(D).
         window: sliding window W (with ``causal``): query i sees keys j with i - W < j <= i.
         cu_seqlens: packed layout: (B+1,) int32 offsets of the sequences in T, from 0, non-decreasing.
-        max_seqlen: packed layout: the longest sequence (computed from ``cu_seqlens`` when not given).
+        max_seqlen: packed layout: the longest sequence (read from ``cu_seqlens`` when not given; a value below it
+            is an error).
 
     Returns:
         the attention output, shaped like ``q``.
@@ -538,8 +540,14 @@ def flash_attention(
     packed = cu_seqlens is not None
     _check(q, k, v, packed, cu_seqlens, causal, window)
     if packed:
+        longest = _longest(cu_seqlens, q.shape[0])
         if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            max_seqlen = longest
+        elif max_seqlen < longest:
+            raise ValueError(
+                f"max_seqlen={max_seqlen} is shorter than the longest sequence in cu_seqlens ({longest}); pass"
+                " max_seqlen=None to have it computed."
+            )
         flat = (q, k, v)
     else:
         b, s = q.shape[:2]
@@ -604,24 +612,28 @@ def _check(q, k, v, packed, cu_seqlens, causal, window) -> None:
         raise ValueError("q, k and v must be on one device.")
     if window is not None and (not causal or window < 1):
         raise ValueError(f"window must be a positive int and needs causal=True; got window={window}, causal={causal}.")
-    if packed:
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be (B+1,) int32; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
-        _check_offsets(cu_seqlens, q.shape[0])
+    if packed and (cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2):
+        raise ValueError(f"cu_seqlens must be (B+1,) int32; got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}.")
 
 
-_checked: tuple | None = None  # the last cu_seqlens found valid (one check per step, not per layer)
+# Reading cu_seqlens on the host synchronizes with the GPU; every layer of a step, and its recompute, gets the same
+# tensor. So the check and the longest sequence are kept for the few most recent tensors, keyed by the tensor object
+# and its version counter; each entry holds its tensor, so the key cannot come back for another one. (A key of the
+# memory address could: a new batch's offsets are often allocated where the last batch's were, and went unchecked.)
+_OFFSETS: OrderedDict[tuple, tuple[Tensor, int]] = OrderedDict()
 
 
-def _check_offsets(cu_seqlens: Tensor, total: int) -> None:
-    global _checked
-    key = (cu_seqlens.data_ptr(), cu_seqlens._version, cu_seqlens.numel(), total)
-    if key == _checked:
-        return
-    values = cu_seqlens.tolist()
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(
-            f"cu_seqlens must start at 0, never decrease and end at the token count {total}; got {values[:8]}"
-            f"{'...' if len(values) > 8 else ''}."
-        )
-    _checked = key
+def _longest(cu_seqlens: Tensor, total: int) -> int:
+    """Check that ``cu_seqlens`` are offsets into ``total`` tokens and return the longest sequence's length."""
+    key = (id(cu_seqlens), cu_seqlens._version, total)
+    if key not in _OFFSETS:
+        values = cu_seqlens.tolist()
+        if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(
+                f"cu_seqlens must start at 0, never decrease and end at the token count {total}; got {values[:8]}"
+                f"{'...' if len(values) > 8 else ''}."
+            )
+        _OFFSETS[key] = (cu_seqlens, max(b - a for a, b in zip(values, values[1:])))
+        while len(_OFFSETS) > 8:
+            _OFFSETS.popitem(last=False)
+    return _OFFSETS[key][1]

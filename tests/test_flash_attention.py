@@ -116,6 +116,45 @@ def test_bad_cu_seqlens(cu, match):
         flash_attention(q, k, v, cu_seqlens=cu)
 
 
+def test_max_seqlen_shorter_than_a_sequence_is_an_error():
+    q, k, v = (t.float() for t in _qkv(True, 16))
+    with pytest.raises(ValueError, match=r"max_seqlen=10 is shorter than the longest sequence in cu_seqlens \(17\)"):
+        flash_attention(q, k, v, cu_seqlens=CU, max_seqlen=10)
+
+
+def test_new_offsets_in_old_memory_are_checked():
+    q, k, v = (t.float() for t in _qkv(True, 16))
+    good = CU.clone()
+    flash_attention(q, k, v, cu_seqlens=good)
+    # a new tensor over the same memory, at version 0, as a new batch's offsets allocated where the last one's were
+    bad = torch.from_numpy(good.numpy())
+    bad.numpy()[1:3] = (20, 5)
+    with pytest.raises(ValueError, match="never decrease"):
+        flash_attention(q, k, v, cu_seqlens=bad)
+
+
+def test_offsets_are_read_on_the_host_once_per_tensor(monkeypatch):
+    # every layer of a step gets the same cu_seqlens; reading them (or their longest sequence) on the host waits
+    # for the GPU, so it happens once, not at every call
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kernel_path(fa, "triton", monkeypatch)
+    q, k, v = (t.float() for t in _qkv(True, 16))
+    cu = CU.clone()
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    flash_attention(q, k, v, cu_seqlens=cu)
+    with Ops():
+        for _ in range(3):
+            flash_attention(q, k, v, cu_seqlens=cu)
+    assert torch.ops.aten._local_scalar_dense.default not in ops  # int(tensor), tensor.item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("d", [64, 128])
