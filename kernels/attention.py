@@ -56,7 +56,7 @@ _ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128
 # dK/dV: a program whose key block fewer query blocks than this see runs its group's query heads in one loop, with
 # one pipeline fill instead of one per head. On an H200 one loop in every program made short packed documents faster
 # and long sequences slower; with 32, side by side against 8, packed documents ran 0.954 x the time and dense ones
-# 0.99-1.01 x (README, bench_attention_ab.py --set-new).
+# 0.99-1.01 x (benchmarks/NOTES.md, bench_attention_ab.py --set-new).
 _FLAT_BELOW = tl.constexpr(32)
 _COL_CONFIGS = _configs(((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32))
 
