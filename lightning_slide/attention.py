@@ -30,8 +30,8 @@ from .kernels.attention import HEAD_DIMS
 NAME = "slide"
 DENSE_CUDNN = True  # dense CUDA batches to PyTorch's cuDNN attention where it runs them (module docstring)
 log = logging.getLogger(__name__)
-# position ids -> cu_seqlens of their documents, for the most recent few (see _restarts)
-_RESTARTS: OrderedDict[tuple, tuple[Tensor, Tensor | None]] = OrderedDict()
+# what position ids and padding masks say, read on the host, for the most recent few (see _host_read)
+_HOST_READS: OrderedDict[tuple, tuple[Tensor, object]] = OrderedDict()
 
 
 def use_slide_attention(model: nn.Module, required: bool) -> Callable[[], None] | None:
@@ -126,33 +126,42 @@ def _flat(*tensors: Tensor) -> list[Tensor]:
 def _padded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, options: dict) -> Tensor:
     # mask: (B, S) bool, True for real tokens (each row's tokens contiguous, left or right padded)
     batch, length = q.shape[:2]
-    keep = mask.reshape(-1).nonzero().squeeze(1)
-    lengths = mask.sum(1, dtype=torch.int32)
-    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    keep, cu, longest = _host_read(mask, "unpad", lambda: _unpadding(mask))
     q_, k_, v_ = (t[keep] for t in _flat(q, k, v))
-    out = flash_attention(q_, k_, v_, cu_seqlens=cu, max_seqlen=int(lengths.max()), **options)
+    out = flash_attention(q_, k_, v_, cu_seqlens=cu, max_seqlen=longest, **options)
     full = out.new_zeros(batch * length, *out.shape[1:])
     full[keep] = out
     return full.view(batch, length, *out.shape[1:])
 
 
-def _restarts(position_ids: Tensor | None, batch: int) -> Tensor | None:
-    """cu_seqlens of the packed documents in (B, S) position ids; None when no row has more than one.
+def _unpadding(mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    # the real tokens' positions in the flat (B*S) batch, their cu_seqlens, and the longest row
+    lengths = mask.sum(1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return mask.reshape(-1).nonzero().squeeze(1), cu, int(lengths.max())
 
-    Finding them reads the ids on the host, a synchronization that left the GPU idle ~4 ms before every block at 32k
-    tokens (a trace of bench_core.py). Every layer, and its recompute, gets the same ids: the answer is kept for the
-    few most recent ids, keyed by their memory and version counter (shared by the detached copies the recompute
-    sees); the entry holds the ids, so that memory is not reused while it is kept.
-    """
+
+def _restarts(position_ids: Tensor | None, batch: int) -> Tensor | None:
+    """cu_seqlens of the packed documents in (B, S) position ids; None when no row has more than one."""
     if position_ids is None or position_ids.shape[-1] == 1:
         return None
-    t = position_ids
-    key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t._version, batch)
-    if key not in _RESTARTS:
-        _RESTARTS[key] = (t, _find_restarts(t, batch))
-        while len(_RESTARTS) > 8:
-            _RESTARTS.popitem(last=False)
-    return _RESTARTS[key][1]
+    return _host_read(position_ids, ("restarts", batch), lambda: _find_restarts(position_ids, batch))
+
+
+def _host_read(t: Tensor, what: object, compute: Callable[[], object]):
+    """``compute()``, which reads ``t`` on the host, kept for the few most recent tensors.
+
+    Reading on the host is a synchronization that left the GPU idle ~4 ms before every block at 32k tokens (a trace of
+    bench_core.py, for the position ids). Every layer, and its recompute, gets the same tensor: the answer is keyed by
+    its memory and version counter (shared by the detached copies the recompute sees); the entry holds the tensor, so
+    that memory is not reused while it is kept.
+    """
+    key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t._version, what)
+    if key not in _HOST_READS:
+        _HOST_READS[key] = (t, compute())
+        while len(_HOST_READS) > 8:
+            _HOST_READS.popitem(last=False)
+    return _HOST_READS[key][1]
 
 
 def _find_restarts(position_ids: Tensor, batch: int) -> Tensor | None:

@@ -133,3 +133,20 @@ def test_documents_are_found_once_for_all_layers(monkeypatch):
     changed = _loss_and_grads(slide, input_ids=ids, labels=ids, position_ids=position_ids)
     assert len(calls) == 2
     _assert_same(changed, _loss_and_grads(slide, input_ids=ids, labels=ids, position_ids=position_ids.clone()))
+
+
+def test_padding_is_read_once_for_all_layers(monkeypatch):
+    # the real tokens' positions and lengths are read on the host (a GPU synchronization): once per batch, not per
+    # layer (and the kernels then get one cu_seqlens tensor, whose offsets they check once)
+    from lightning_slide import attention
+
+    _, slide = _pair("qwen3")
+    assert slide.config.num_hidden_layers > 1
+    calls = []
+    unpadding = attention._unpadding
+    monkeypatch.setattr(attention, "_unpadding", lambda *args: calls.append(1) or unpadding(*args))
+    ids = torch.randint(0, VOCAB, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    _loss_and_grads(slide, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    assert len(calls) == 1
