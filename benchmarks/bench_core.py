@@ -15,7 +15,8 @@
 Reports tokens/s (median step), peak GPU memory (allocated and reserved), peak host RSS of the process during
 that system's run (VmHWM, reset in between), host bytes per parameter, and for (a) a per-step timeline (CPU
 worker busy, the training thread's waits, bytes moved; then one extra, untimed step under torch's profiler: GPU time
-in kernels and in copies each way). Appends CSV rows to --out.
+in kernels and in copies each way, and the CPU worker's idle gaps in that step against the training thread's forward
+and backward). Appends CSV rows to --out.
 
     python benchmarks/bench_core.py --out benchmarks/results/core.csv
     python benchmarks/bench_core.py --systems a --engine-set SPLIT_EMBEDDING_UPDATE=False   # (a) with a choice forced
@@ -134,17 +135,31 @@ def run_slideformer(
     times, timeline, profiled = [], [], []
     activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace_dir else [])
     profiler = torch.profiler.profile(activities=activities)
+    marks: dict[str, float] = {}  # the profiled step's phases on the training thread (perf_counter)
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == warmup + steps:  # one more step, not timed: where the GPU's time goes
+            if batch_idx == warmup + steps:  # one more step, not timed: where the GPU's and the worker's time goes
+                trainer.strategy.engine.worker.timeline = []
+                marks["start"] = time.perf_counter()
                 profiler.start()
+
+        def on_before_backward(self, trainer, module, loss):
+            if "start" in marks:
+                marks["forward_done"] = time.perf_counter()
+
+        def on_after_backward(self, trainer, module):
+            if "start" in marks:
+                marks["backward_done"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             torch.cuda.synchronize()
             if batch_idx == warmup + steps:
                 profiler.stop()
-                profiled.append(gpu_time_by_kind(profiler))
+                marks["end"] = time.perf_counter()
+                worker = trainer.strategy.engine.worker
+                profiled.append(gpu_time_by_kind(profiler) + "; " + worker_in_step(worker.timeline, marks))
+                worker.timeline = None
                 if trace_dir:
                     write_trace(profiler, os.path.join(trace_dir, f"a_{schedule}_{batch.numel()}.json"))
                 return
@@ -208,6 +223,32 @@ def gpu_time_by_kind(profiler) -> str:
                 f" gpu_computing={busy:.3f}s")  # fmt: skip
     except Exception as err:  # the figures above stand without it
         return f"profile failed: {type(err).__name__}: {err}"
+
+
+def worker_in_step(tasks: list[tuple[str, float, float, float]], marks: dict[str, float], min_gap_s=0.002) -> str:
+    """The profiled step on the CPU worker, in ms from the step's start: when the training thread was done with the
+    forward and the backward, the worker's time running tasks and waiting for their copies, and where it sat idle
+    (no task taken up) for over ``min_gap_s``, each gap with the task that ended it."""
+    t0, t1 = marks["start"], marks["end"]
+
+    def ms(t: float) -> str:
+        return f"{(t - t0) * 1e3:.1f}"
+
+    inside = [(name, max(taken, t0), max(start, t0), min(end, t1)) for name, taken, start, end in tasks if end > t0]
+    busy = sum(end - start for _, _, start, end in inside if end > start)
+    waiting = sum(start - taken for _, taken, start, _ in inside if start > taken)
+    gaps, free_from = [], t0
+    for name, taken, _, end in sorted(inside, key=lambda task: task[1]):
+        if taken - free_from > min_gap_s:
+            gaps.append(f"{ms(free_from)}-{ms(taken)} then {name}")
+        free_from = max(free_from, end)
+    if t1 - free_from > min_gap_s:
+        gaps.append(f"{ms(free_from)}-{ms(t1)} to the end")
+    phases = " ".join(f"{k}={ms(v)}" for k, v in marks.items() if k != "start")
+    return (
+        f"worker (ms from the step's start; {phases}): busy={busy * 1e3:.1f} waiting_for_copies={waiting * 1e3:.1f}"
+        f" idle_over_{min_gap_s * 1e3:.0f}ms=[{', '.join(gaps[:12])}{', ...' if len(gaps) > 12 else ''}]"
+    )
 
 
 def _union_s(intervals: list[tuple[float, float]]) -> float:

@@ -596,6 +596,30 @@ def test_embedding_without_gradient_after_its_rows_were_updated_is_an_error(monk
         fit(Detached(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=1)
 
 
+def test_the_worker_records_its_tasks_when_asked():
+    # the benchmark's per-task timeline of the CPU worker (bench_core.py, the profiled step)
+    from lightning_slide.engine.worker import CpuWorker
+
+    def nap():
+        time.sleep(0.02)
+
+    def note():
+        pass
+
+    worker = CpuWorker()
+    try:
+        worker.submit(nap).result()
+        assert worker.timeline is None  # off unless asked for
+        worker.timeline = []
+        worker.submit(nap)
+        worker.submit(note).result()
+        (first, taken_1, start_1, end_1), (second, taken_2, start_2, end_2) = worker.timeline
+        assert (first, second) == ("nap", "note")
+        assert taken_1 <= start_1 and end_1 - start_1 >= 0.02 and end_1 <= taken_2 <= start_2 <= end_2
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("waits", [False, True])
 def test_auto_split_follows_the_workers_waiting_in_the_second_step(monkeypatch, caplog, waits):
     # "auto": from the third step on, the split runs where the worker waited for the GPU at least as long as the

@@ -29,6 +29,8 @@ class CpuWorker:
         self._error: BaseException | None = None
         self.busy_s = 0.0  # seconds spent running tasks (for the benchmark's timeline)
         self.wait_s = 0.0  # seconds spent waiting for the device before a task could run
+        # when a list: each task's (name, perf_counter when it was taken up, when it began to run, when it ended)
+        self.timeline: list[tuple[str, float, float, float]] | None = None
         self._lock = threading.Lock()
         self._last: Future | None = None
         self._pool = ThreadPoolExecutor(
@@ -63,10 +65,10 @@ class CpuWorker:
     def _run(self, fn: Callable[..., Any], args: tuple, after: Any) -> Any:
         if self._error is not None:
             raise self._error
+        taken = time.perf_counter()
         if after is not None:
-            start = time.perf_counter()
             after.synchronize()
-            self.wait_s += time.perf_counter() - start
+            self.wait_s += time.perf_counter() - taken
         start = time.perf_counter()
         try:
             return fn(*args)
@@ -74,7 +76,10 @@ class CpuWorker:
             self._error = err
             raise
         finally:
-            self.busy_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self.busy_s += end - start
+            if self.timeline is not None:
+                self.timeline.append((getattr(fn, "__name__", type(fn).__name__), taken, start, end))
 
 
 def _set_threads(num_threads: int | None) -> None:
