@@ -615,7 +615,9 @@ def test_the_worker_records_its_tasks_when_asked():
         worker.submit(note).result()
         (first, taken_1, start_1, end_1), (second, taken_2, start_2, end_2) = worker.timeline
         assert (first, second) == ("nap", "note")
-        assert taken_1 <= start_1 and end_1 - start_1 >= 0.02 and end_1 <= taken_2 <= start_2 <= end_2
+        assert taken_1 <= start_1
+        assert end_1 - start_1 >= 0.02
+        assert end_1 <= taken_2 <= start_2 <= end_2
     finally:
         worker.shutdown()
 

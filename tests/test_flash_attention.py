@@ -33,11 +33,16 @@ def _rel(a, b):
 )
 @pytest.mark.parametrize(("d", "hkv"), [(16, 2), (32, 1)], ids=["d16-gqa", "d32-mqa"])
 def test_matches_fp64_reference(path, packed, causal, window, d, hkv):
-    q, k, v = (t.requires_grad_() for t in _qkv(packed, d, hkv=hkv))
     cu = CU if packed else None
-    ref = flash_attention_ref(q, k, v, causal=causal, window=window, cu_seqlens=cu)
+    _assert_matches_reference(*_qkv(packed, d, hkv=hkv), causal=causal, window=window, cu_seqlens=cu)
+
+
+def _assert_matches_reference(q, k, v, **kwargs):
+    # fp64 q, k, v: the output and the three gradients in fp32 against the fp64 reference's
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref = flash_attention_ref(q, k, v, **kwargs)
     leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    out = flash_attention(*leaves, causal=causal, window=window, cu_seqlens=cu)
+    out = flash_attention(*leaves, **kwargs)
     assert out.shape == q.shape
     assert _rel(out, ref) < 1e-5
     grad = torch.randn_like(ref)
@@ -56,16 +61,7 @@ def test_dkdv_walks_match_fp64_reference(monkeypatch, packed, walk):
     if walk == "by-query-head":
         monkeypatch.setattr(fa, "_split_below", lambda device: 1 << 30)
     monkeypatch.setattr(fa, "_FLAT_BELOW", triton.language.constexpr(1 << 20 if walk == "group-one-loop" else 0))
-    q, k, v = (t.requires_grad_() for t in _qkv(packed, 16, hq=4, hkv=2))
-    cu = CU if packed else None
-    ref = flash_attention_ref(q, k, v, causal=True, window=7, cu_seqlens=cu)
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    out = flash_attention(*leaves, causal=True, window=7, cu_seqlens=cu)
-    grad = torch.randn_like(ref)
-    ours = torch.autograd.grad(out, leaves, grad.float())
-    expected = torch.autograd.grad(ref, (q, k, v), grad)
-    for name, a, b in zip("qkv", ours, expected):
-        assert _rel(a, b) < 1e-5, f"d{name}"
+    _assert_matches_reference(*_qkv(packed, 16, hq=4, hkv=2), causal=True, window=7, cu_seqlens=CU if packed else None)
 
 
 def test_nothing_crosses_sequences(path):
