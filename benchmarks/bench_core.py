@@ -234,7 +234,8 @@ def worker_in_step(tasks: list[tuple[str, float, float, float]], marks: dict[str
     def ms(t: float) -> str:
         return f"{(t - t0) * 1e3:.1f}"
 
-    inside = [(name, max(taken, t0), max(start, t0), min(end, t1)) for name, taken, start, end in tasks if end > t0]
+    in_step = [task for task in tasks if task[3] > t0 and task[1] < t1]
+    inside = [(name, max(taken, t0), max(start, t0), min(end, t1)) for name, taken, start, end in in_step]
     busy = sum(end - start for _, _, start, end in inside if end > start)
     waiting = sum(start - taken for _, taken, start, _ in inside if start > taken)
     gaps, free_from = [], t0

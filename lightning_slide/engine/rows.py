@@ -15,8 +15,8 @@ buffers and their update waits for the next step's first gather of rows, which k
 first updates the rows that gather shares with this step, the gather sends its other rows meanwhile (rows outside
 this step's are final once its bulk has run) and waits only for those, and the rest are updated while the forward
 runs (the worker has nothing else to update then). At 32k uniform token ids, consecutive steps share ~22 % of their
-~29k rows; the whole update (~56 ms on the H200's host) was what the next forward waited
-for at every step's start, after block 0's update (a trace of bench_core.py).
+~29k rows; the whole update (~56 ms on the H200's host) was what the next forward waited for at every step's start,
+after block 0's update (a trace of bench_core.py).
 
 Both parts are the same elementwise kernel as one update of the whole matrix, on the same values, so the result is
 identical (tests/test_engine.py checks it bitwise). The embedding was the last update of the backward pass and the
