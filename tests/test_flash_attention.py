@@ -10,6 +10,9 @@ from helpers import kernel_path
 from lightning_slide.kernels import FlashAttention, flash_attention, flash_attention_ref
 
 CU = torch.tensor([0, 5, 20, 37], dtype=torch.int32)
+MASKS = pytest.mark.parametrize(
+    ("causal", "window"), [(True, None), (False, None), (True, 7)], ids=["causal", "full", "window"]
+)
 
 
 @pytest.fixture(params=["triton", "torch"])
@@ -28,9 +31,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@pytest.mark.parametrize(
-    ("causal", "window"), [(True, None), (False, None), (True, 7)], ids=["causal", "full", "window"]
-)
+@MASKS
 @pytest.mark.parametrize(("d", "hkv"), [(16, 2), (32, 1)], ids=["d16-gqa", "d32-mqa"])
 def test_matches_fp64_reference(path, packed, causal, window, d, hkv):
     cu = CU if packed else None
@@ -69,6 +70,17 @@ def test_nothing_crosses_sequences(path):
     out = flash_attention(q, k, v, cu_seqlens=CU)
     alone = flash_attention(q[5:20], k[5:20], v[5:20], cu_seqlens=torch.tensor([0, 15], dtype=torch.int32))
     torch.testing.assert_close(out[5:20], alone)
+
+
+@MASKS
+def test_sequences_of_unequal_block_counts_match_fp64_reference(monkeypatch, causal, window):
+    # 3, 1, 0 and 2 blocks of 32 tokens (5, 2, 0 and 3 of 16; the interpreter's tiles), an empty sequence among them:
+    # every program's block range against its own sequence's end
+    kernel_path(fa, "triton", monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(135, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 70, 90, 90, 135], dtype=torch.int32)
+    _assert_matches_reference(q, k, v, causal=causal, window=window, cu_seqlens=cu)
 
 
 def test_module_form_and_scale(path):
