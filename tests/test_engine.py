@@ -528,7 +528,7 @@ def test_touched_rows_are_not_deferred_where_they_would_hold_most_landing_buffer
     monkeypatch.setattr(Transfer, "take_landing", take_or_fail)
 
     monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
-    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "landing_buffers", 3)
+    monkeypatch.setattr(engine_module, "LANDING_BUFFERS", 3)
     monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
     deferred, apply_landed = [], rows.RowSplit.apply_landed
     monkeypatch.setattr(rows.RowSplit, "apply_landed", lambda self, *a: deferred.append(1) or apply_landed(self, *a))

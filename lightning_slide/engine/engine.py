@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 Schedule = Literal["backward", "forward", "norm-first"]
 # KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+# Host buffers of chunk_numel fp32 elements (32 MiB by default) for gradients on their way to the CPU worker: with
+# the "backward" schedule they hold what the worker has not yet taken (2 GiB pinned, ~0.77 bytes per parameter of
+# bench_core's 2.8 B model). Whether fewer would slow the step down is not measured yet
+# (bench_core.py --engine-set LANDING_BUFFERS=32).
+LANDING_BUFFERS = 64
 _NVME_LANDING_BUFFERS = 16
 _OFFLOAD_LANDING_BUFFERS = 16  # see _plan_activations
 _SPARE_LANDING_BUFFERS = 2  # with every gradient retained (see __init__)
@@ -115,7 +120,6 @@ class SlideEngine:
         on_nonfinite: ``"raise"`` or, with clipping by norm, ``"skip"`` the step.
         cpu_threads: intra-op threads of the CPU worker (``None``: torch's default).
         chunk_numel: elements per transfer chunk.
-        landing_buffers: host buffers of ``chunk_numel`` fp32 elements for gradients in flight.
         max_queued_grad_bytes: device memory that gradients waiting to be sent may hold before the backward
             pass waits.
         offload_activations: keep the blocks' saved inputs in pooled host memory between forward and backward
@@ -149,7 +153,6 @@ class SlideEngine:
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
         chunk_numel: int = 1 << 23,
-        landing_buffers: int = 64,
         max_queued_grad_bytes: int = 1 << 30,
         offload_activations: bool | Literal["auto"] = False,
         nvme_path: str | None = None,
@@ -196,7 +199,7 @@ class SlideEngine:
         # no more landing buffers than one step's gradients fill (a small model would pin GiBs for nothing); with
         # the state on disk, the disk sets the pace and gradients waiting for it would only take RAM
         grad_numel = sum(p.numel() for u in self.units for p in u.params if p.requires_grad)
-        most = min(landing_buffers, _NVME_LANDING_BUFFERS) if nvme_path is not None else landing_buffers
+        most = min(LANDING_BUFFERS, _NVME_LANDING_BUFFERS) if nvme_path is not None else LANDING_BUFFERS
         if schedule == "forward" and not retain_grads:
             # each gradient goes straight into its retained host buffer; the pool only takes a second one in the
             # same step (weights used twice), so 2 GiB of pinned buffers would sit idle
