@@ -88,8 +88,14 @@ class RowSplit:
         self.landed: list[tuple[int, Tensor, Tensor]] = []
         self._scratch = scratch
 
+    def _pass_rows(self) -> int:
+        # rows the touched rows' update gathers at a time
+        return max(1, PASS_NUMEL // self.param[0].numel())
+
     def _buffer(self, name: str) -> Tensor:
-        shape = (min(self.param.shape[0], self.rows_per_chunk), *self.param.shape[1:])
+        # rows for a bulk chunk or a pass of the touched rows' update, whichever is more
+        rows = min(self.param.shape[0], max(self.rows_per_chunk, self._pass_rows()))
+        shape = (rows, *self.param.shape[1:])
         if name not in self._scratch or self._scratch[name].shape != shape:
             self._scratch[name] = torch.zeros(shape)
         return self._scratch[name]
@@ -126,7 +132,7 @@ class RowSplit:
         """The update of touched rows ``index[lo:hi]`` with their gradient ``grad`` (divided by ``grad_scale``: the
         clipping coefficient), on the CPU worker; ``only``: of those, just where it is true."""
         tensors = optimizer.state_like(self.param)
-        rows = max(1, PASS_NUMEL // self.param[0].numel())
+        rows = self._pass_rows()
         index = self.index[lo:hi]
         at = None if only is None else only.nonzero().squeeze(1)
         if at is not None:
