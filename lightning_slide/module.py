@@ -126,7 +126,9 @@ class CausalLMModule(L.LightningModule):
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
         if tokenizer is not None:
             check_vocab(len(tokenizer), model.get_input_embeddings().num_embeddings)
-        self.model = model
+        # from_pretrained returns the model in eval mode and Lightning trains in the mode it finds (it only warns):
+        # dropout, the model's and LoRA's, would be off. The validation loop switches to eval and back.
+        self.model = model.train(self.training)
         self._derived.pop("meta", None)
 
     def vocab_size(self) -> int | None:

@@ -106,14 +106,24 @@ def test_lora_bf16_within_twice_plain_peft_bf16_error():
     assert all(torch.equal(ours16[k], fp32_store[k]) for k in adapters)
 
 
-def test_model_from_a_local_directory(tmp_path):
+def test_model_from_a_local_directory_trains_in_train_mode(tmp_path):
+    # from_pretrained returns the model in eval mode, and Lightning trains in whatever mode it finds: dropout (the
+    # model's, LoRA's) would silently be off
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)).save_pretrained(tmp_path)
-    _, module, metrics = train(SlideFormerStrategy(num_slots=2), model=str(tmp_path), steps=2)
+    in_eval = []
+
+    class Modes(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            in_eval.extend(name for name, m in module.named_modules() if not m.training)
+
+    _, module, metrics = train(SlideFormerStrategy(num_slots=2), model=str(tmp_path), steps=2, callbacks=[Modes()],
+                               lora=LoRA(r=4, dropout=0.1))  # fmt: skip
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert type(module.causal_lm).__name__ == "LlamaForCausalLM"
+    assert in_eval == []
 
 
 def test_step_normalization_weighs_every_token_of_the_accumulation_step_equally():
