@@ -36,6 +36,15 @@ class LoRA:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
+    def __post_init__(self) -> None:
+        # here, not when peft wraps the model: that happens after the base's weights are loaded
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoRA r must be a positive int; got r={self.r!r}.")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoRA dropout must be in [0, 1); got dropout={self.dropout!r}.")
+        if not self.target_modules:
+            raise ValueError("LoRA target_modules is empty: name the layers to adapt, e.g. ['q_proj', 'v_proj'].")
+
 
 class CausalLMModule(L.LightningModule):
     """Fine-tune a Hugging Face causal LM.
