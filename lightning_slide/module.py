@@ -88,6 +88,11 @@ class CausalLMModule(L.LightningModule):
                 f"lr must be > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got {lr}, {warmup_steps},"
                 f" {min_lr_ratio}."
             )
+        if weight_decay < 0 or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(
+                f"weight_decay must be >= 0 and betas two values in [0, 1); got weight_decay={weight_decay},"
+                f" betas={tuple(betas)}."
+            )
         if normalize not in ("batch", "step"):
             raise ValueError(f"normalize must be 'batch' or 'step'; got {normalize!r}.")
         self.source, self.config_dict, self.lora = model, config, lora

@@ -375,6 +375,7 @@ def test_every_recipe_parses_against_the_real_signatures(recipe, monkeypatch, tm
         (["--model.lora", '{"target_modules": ["nope_proj"]}'], "nope_proj"),
         (["--model.lora", '{"dropout": 1.5}'], "LoRA dropout must be in [0, 1); got dropout=1.5"),
         (["--model.lora", '{"r": 0}'], "LoRA r must be a positive int; got r=0"),
+        (["--model.betas", "[0.9, 1.5]"], "betas two values in [0, 1); got weight_decay=0.01, betas=(0.9, 1.5)"),
         (["--model.config.vocab_size", "100"], "The tokenizer has 262 tokens but the model's vocabulary has 100"),
     ],
 )
