@@ -14,9 +14,10 @@
 
 Reports tokens/s (median step), peak GPU memory (allocated and reserved), peak host RSS of the process during
 that system's run (VmHWM, reset in between), host bytes per parameter, and for (a) a per-step timeline (CPU
-worker busy, the training thread's waits, bytes moved; then one extra, untimed step under torch's profiler: GPU time
-in kernels and in copies each way, and the CPU worker's idle gaps in that step against the training thread's forward
-and backward). Appends CSV rows to --out.
+worker busy, the training thread's waits, bytes moved, the host's peak before the profiled step, whose profiler takes
+host memory of its own; then one extra, untimed step under torch's profiler: GPU time in kernels and in copies each
+way, and the CPU worker's idle gaps in that step against the training thread's forward and backward). Appends CSV
+rows to --out.
 
     python benchmarks/bench_core.py --out benchmarks/results/core.csv
     python benchmarks/bench_core.py --systems a --engine-set SPLIT_EMBEDDING_UPDATE=False   # (a) with a choice forced
@@ -136,11 +137,13 @@ def run_slideformer(
     activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace_dir else [])
     profiler = torch.profiler.profile(activities=activities)
     marks: dict[str, float] = {}  # the profiled step's phases on the training thread (perf_counter)
+    untraced_peak: list[int] = []  # the host's peak before that step: the profiler's own buffers take host memory
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             if batch_idx == warmup + steps:  # one more step, not timed: where the GPU's and the worker's time goes
                 trainer.strategy.engine.worker.timeline = []
+                untraced_peak.append(peak_rss())
                 marks["start"] = time.perf_counter()
                 profiler.start()
 
@@ -193,7 +196,9 @@ def run_slideformer(
         "step_s": step_times[mid], "gpu_alloc_gib": alloc, "gpu_reserved_gib": reserved, "host_peak": peak_rss(),
         "timeline": f"cpu_worker_busy={busy:.3f}s cpu_worker_waits_gpu={worker_wait:.3f}s"
                     f" train_thread_waits_update={wait_update:.3f}s train_thread_waits_send={wait_send:.3f}s"
-                    f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB; one more step profiled: {profiled[0]}",
+                    f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB"
+                    f" host_peak_before_the_profiled_step={untraced_peak[0] / GIB:.2f}GiB;"
+                    f" one more step profiled: {profiled[0]}",
     }  # fmt: skip
 
 
