@@ -62,10 +62,12 @@ Schedule = Literal["backward", "forward", "norm-first"]
 # KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 # Host buffers of chunk_numel fp32 elements (32 MiB by default) for gradients on their way to the CPU worker: with
-# the "backward" schedule they hold what the worker has not yet taken (2 GiB pinned, ~0.77 bytes per parameter of
-# bench_core's 2.8 B model). Whether fewer would slow the step down is not measured yet
-# (bench_core.py --engine-set LANDING_BUFFERS=32).
-LANDING_BUFFERS = 64
+# the "backward" schedule they hold what the worker has not yet taken (1 GiB pinned, ~0.38 bytes per parameter of
+# bench_core's 2.8 B model). Side by side on the H200 (bench_core.py --engine-set LANDING_BUFFERS=N, "backward"),
+# 64 / 32 / 16 / 64 buffers: 8k steps 1.077 / 1.050 / 1.023 / 1.007 s, 32k steps 1.326 / 1.332 / 1.380 / 1.330 s, host
+# 13.5 / 13.1 / 12.9 bytes per parameter. With 16 the touched embedding rows (15 chunks at 32k uniform ids) no longer
+# fit in half the pool to be deferred (grads.py).
+LANDING_BUFFERS = 32
 _NVME_LANDING_BUFFERS = 16
 _OFFLOAD_LANDING_BUFFERS = 16  # see _plan_activations
 _SPARE_LANDING_BUFFERS = 2  # with every gradient retained (see __init__)
