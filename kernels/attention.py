@@ -4,7 +4,7 @@
 Every call runs the variable-length kernels: a dense batch (B, S, H, D) is the packed layout (B*S, H, D) with
 sequence boundaries every S tokens, so the dense and packed cases share one code path.
 
-    forward, per (query block, sequence, query head):
+    forward, per (query block, sequence, query head; a GQA group's heads share a program, ``_query_rows``):
         s = q k^T * scale;  online softmax over key blocks: m = running max, l = running sum of exp(s - m)
         o = sum_j softmax(s)_j v_j;  lse = m + log(l)   (kept for backward)
     backward: delta = rowsum(dO * O);  p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p (dp - delta)
@@ -39,6 +39,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # path: Triton would compute its products in TF32, and exact fp32 tiles take minutes to compile.
 TRITON_ON_CUDA = True
 HEAD_DIMS = (16, 32, 64, 128, 256)
+# The forward and dQ kernels run a GQA group's query heads in one program (_query_rows) for groups up to this size
+# (a power of two); 1: one program per query head.
+PACK_GQA = 8
 _LOG2E = 1.4426950408889634
 
 
@@ -73,6 +76,22 @@ def _tile(base, start, offs, head, stride_t, stride_h, offs_d, ok):
     # (len(offs), D) rows of one head, zeros where not ok
     return tl.load(base + (start + offs)[:, None] * stride_t + head * stride_h + offs_d[None, :], mask=ok[:, None],
                    other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _packed_rows(Base, start, pos, heads, stride_t, stride_h, offs_d, ok):
+    # (BLOCK_M, D): row r is position pos[r] of head heads[r], zeros where not ok
+    return tl.load(Base + ((start + pos) * stride_t + heads * stride_h)[:, None] + offs_d[None, :], mask=ok[:, None],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _query_rows(m_start, head0, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    # A program's BLOCK_M rows are ROWS positions of BLOCK_M // ROWS query heads of one group (FlashAttention-3's
+    # "PackGQA"): the heads share every key block, so a tile's rows cover fewer positions and the causal diagonal
+    # wastes less of it. Returns each row's position and head.
+    r = tl.arange(0, BLOCK_M)
+    return m_start + r % ROWS, head0 + r // ROWS
 
 
 @triton.jit
@@ -152,30 +171,33 @@ def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "seq_bucket"])
+@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Out, LSE, cu_seqlens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale, window, seq_bucket,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # q/o: (T, Hq, D), k/v: (T, Hkv, D), lse: (Hq, T) in the log2 domain; one program per (query block,
-    # sequence, query head), the last query blocks (the most work when causal) first
-    seq, head = tl.program_id(1), tl.program_id(2)
+    # q/o: (T, Hq, D), k/v: (T, Hkv, D), lse: (Hq, T) in the log2 domain; one program per (query block of
+    # BLOCK_M // PACK positions, sequence, PACK query heads of a group), the last query blocks (the most work when
+    # causal) first
+    ROWS: tl.constexpr = BLOCK_M // PACK
+    seq, head0 = tl.program_id(1), tl.program_id(2) * PACK
     start, seqlen = _bounds(cu_seqlens, seq)
-    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS
     if m_start >= seqlen:
         return
-    kv_head = head // GROUP
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    kv_head = head0 // GROUP
+    offs_m, heads = _query_rows(m_start, head0, ROWS, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, offs_m < seqlen)
+    row_ok = offs_m < seqlen
+    q = _packed_rows(Q, start, offs_m, heads, stride_qt, stride_qh, offs_d, row_ok)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, ROWS, BLOCK_N, CAUSAL, HAS_WINDOW)
     # masked blocks (window edge), unmasked blocks, masked blocks (diagonal, sequence end)
     for n_start in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
@@ -189,12 +211,11 @@ def _fwd_kernel(
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
                                   stride_vt, stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW,
                                   BLOCK_N)  # fmt: skip
-    row_ok = offs_m < seqlen
     l_i = tl.where(row_ok, l_i, 1.0)  # rows past the sequence end (not stored) stay finite
     acc = acc / l_i[:, None]
-    tl.store(Out + (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(Out + ((start + offs_m) * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :],
              acc.to(Out.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
-    tl.store(LSE + head * stride_lh + start + offs_m, m_i + tl.log2(l_i), mask=row_ok)
+    tl.store(LSE + heads * stride_lh + start + offs_m, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @triton.jit
@@ -336,32 +357,34 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, strid
     return dq + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "seq_bucket"])
+@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
     stride_dqt, stride_dqh,
     qk_scale, sm_scale, window, seq_bucket,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # one program per (query block, sequence, query head), the most work (last blocks when causal) first
-    seq, head = tl.program_id(1), tl.program_id(2)
+    # one program per (query block, sequence, PACK query heads) as in the forward, the most work (last blocks when
+    # causal) first
+    ROWS: tl.constexpr = BLOCK_M // PACK
+    seq, head0 = tl.program_id(1), tl.program_id(2) * PACK
     start, seqlen = _bounds(cu_seqlens, seq)
-    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS
     if m_start >= seqlen:
         return
-    kv_head = head // GROUP
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    kv_head = head0 // GROUP
+    offs_m, heads = _query_rows(m_start, head0, ROWS, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seqlen
-    q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, row_ok)
-    do = _tile(DO, start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok)
-    lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    q = _packed_rows(Q, start, offs_m, heads, stride_qt, stride_qh, offs_d, row_ok)
+    do = _packed_rows(DO, start, offs_m, heads, stride_dot, stride_doh, offs_d, row_ok)
+    lse = tl.load(LSE + heads * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + heads * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
+    lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, ROWS, BLOCK_N, CAUSAL, HAS_WINDOW)
     for n_start in range(lo, full_lo, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
                       stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
@@ -371,7 +394,7 @@ def _bwd_dq_kernel(
     for n_start in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
                       stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
-    tl.store(DQ + (start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
+    tl.store(DQ + ((start + offs_m) * stride_dqt + heads * stride_dqh)[:, None] + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
 
@@ -387,8 +410,15 @@ def _use_triton(q: Tensor) -> bool:
     return _INTERPRET or (q.is_cuda and TRITON_ON_CUDA and q.dtype != torch.float32)
 
 
-def _grid(blocks_over: int, cu_seqlens: Tensor, heads: int, block: str):
-    return lambda meta: (triton.cdiv(blocks_over, meta[block]), cu_seqlens.numel() - 1, heads)
+def _grid(blocks_over: int, cu_seqlens: Tensor, heads: int, block: str, pack: int = 1):
+    # pack: query heads per program, whose rows share its block (_query_rows)
+    return lambda meta: (triton.cdiv(blocks_over, meta[block] // pack), cu_seqlens.numel() - 1, heads // pack)
+
+
+def _pack(group: int) -> int:
+    """Query heads per forward and dQ program: the whole group where it is a power of two of at most PACK_GQA (every
+    config's BLOCK_M holds it), else 1."""
+    return group if group & (group - 1) == 0 and group <= PACK_GQA else 1
 
 
 def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, opts: AttentionOptions):
@@ -398,11 +428,12 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     t, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(hq, t, dtype=torch.float32, device=q.device)
-    _fwd_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M")](
+    pack = _pack(hq // k.shape[1])
+    _fwd_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M", pack)](
         q, k, v, o, lse, cu_seqlens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         lse.stride(0), opts.softmax_scale * _LOG2E, opts.window or 0, _seq_bucket(opts.max_seqlen),
-        GROUP=hq // k.shape[1], CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d,
+        GROUP=hq // k.shape[1], PACK=pack, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d,
     )  # fmt: skip
     return o, lse
 
@@ -436,8 +467,9 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOpt
     )  # fmt: skip
     if split:
         dk, dv = (x.view(t, hkv, group, d).sum(2).to(k.dtype) for x in (dk, dv))
-    _bwd_dq_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M")](
-        q, k, v, do, lse, delta, dq, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scales, **common
+    pack = _pack(group)
+    _bwd_dq_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M", pack)](
+        q, k, v, do, lse, delta, dq, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scales, PACK=pack, **common
     )
     return dq, dk, dv
 

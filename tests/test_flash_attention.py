@@ -65,6 +65,19 @@ def test_dkdv_walks_match_fp64_reference(monkeypatch, packed, walk):
     _assert_matches_reference(*_qkv(packed, 16, hq=4, hkv=2), causal=True, window=7, cu_seqlens=CU if packed else None)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@MASKS
+@pytest.mark.parametrize(
+    ("hq", "pack_gqa"), [(8, 8), (8, 1), (6, 8)], ids=["group4-together", "group4-by-head", "group3"]
+)
+def test_query_heads_per_program_match_fp64_reference(monkeypatch, packed, causal, window, hq, pack_gqa):
+    # the forward and dQ programs hold a group's query heads together (a power of two up to PACK_GQA) or one each
+    kernel_path(fa, "triton", monkeypatch)
+    monkeypatch.setattr(fa, "PACK_GQA", pack_gqa)
+    cu = CU if packed else None
+    _assert_matches_reference(*_qkv(packed, 16, hq=hq, hkv=2), causal=causal, window=window, cu_seqlens=cu)
+
+
 def test_nothing_crosses_sequences(path):
     q, k, v = (t.float() for t in _qkv(True, 16))
     out = flash_attention(q, k, v, cu_seqlens=CU)
