@@ -40,7 +40,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_ON_CUDA = True
 HEAD_DIMS = (16, 32, 64, 128, 256)
 # The forward and dQ kernels run a GQA group's query heads in one program (_query_rows) for groups up to this size
-# (a power of two); 1: one program per query head.
+# (a power of two, at most the smallest BLOCK_M of the configs, 32); 1: one program per query head.
 PACK_GQA = 8
 _LOG2E = 1.4426950408889634
 
@@ -416,8 +416,8 @@ def _grid(blocks_over: int, cu_seqlens: Tensor, heads: int, block: str, pack: in
 
 
 def _pack(group: int) -> int:
-    """Query heads per forward and dQ program: the whole group where it is a power of two of at most PACK_GQA (every
-    config's BLOCK_M holds it), else 1."""
+    """Query heads per forward and dQ program: the whole group where it is a power of two of at most PACK_GQA, else
+    1."""
     return group if group & (group - 1) == 0 and group <= PACK_GQA else 1
 
 
