@@ -57,7 +57,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             ``"model.model.layers"``; ``None`` finds it.
         update_schedule: ``"backward"`` updates each block while the backward pass continues (not compatible
             with clipping by norm); ``"forward"`` updates after backward, in forward order, overlapping the
-            next forward pass (needed for exact global-norm clipping; the step's fp32 gradients wait in host
+            next forward pass (needed for exact global-norm clipping; the step's gradients wait in host
             memory); ``"norm-first"`` clips by norm without keeping them: a first backward pass only finds the
             global norm, a second one streams the clipped updates as ``"backward"`` does (one more backward pass
             of GPU work; Trainer(gradient_clip_val=...) by norm, no accumulation). ``"auto"`` picks ``"forward"``

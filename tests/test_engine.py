@@ -379,6 +379,19 @@ def test_offloading_runs_keep_fewer_landing_buffers(monkeypatch):
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
+class _FirstBlockTwiceLM(StackLM):
+    """Runs its first block twice per step: its weights get two gradients in one backward."""
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        net = self.net
+        x = net.embed(ids)
+        for block in [net.blocks[0], *net.blocks]:
+            x = x + block(x)
+        logits = net.head(net.norm(x))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
 def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weights_train(monkeypatch):
     # schedule "forward" retains every gradient, so the landing pool only serves a second gradient of the same
     # weights in one step: here the first block runs twice (weights shared), which takes it. Chunks of 256
@@ -386,24 +399,57 @@ def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weig
     from lightning_slide.engine import engine as engine_module
 
     monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 256)
-
-    class SharedBlockLM(StackLM):
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            net = self.net
-            x = net.embed(ids)
-            for block in [net.blocks[0], *net.blocks]:
-                x = x + block(x)
-            logits = net.head(net.norm(x))
-            return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-
     pool = _LandingPool()
-    module = SharedBlockLM(dropout=0.0)
+    module = _FirstBlockTwiceLM(dropout=0.0)
     ref, _ = fit(module, "auto", gradient_clip_val=0.5)
     ours, _ = fit(module, SlideFormerStrategy(num_slots=2), gradient_clip_val=0.5, callbacks=[pool])
     assert pool.kept == [(2, 2 * 4 * 256)]
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+class _RetainedGrads(L.Callback):
+    """Records, after each step, the dtypes of the retained gradient buffers and the parameters still compact."""
+
+    def __init__(self):
+        self.dtypes, self.compact = set(), []
+
+    def on_train_batch_end(self, trainer, *args):
+        router = trainer.strategy.engine.router
+        self.dtypes |= {t.dtype for t in router.host.values()}
+        self.compact.append(len(router.compact))
+
+
+@pytest.mark.parametrize("case", ["clip-norm", "clip-value", "block-twice"])
+def test_bf16_retained_gradients_train_the_same_bits_as_fp32_ones(monkeypatch, case):
+    # schedule "forward" under bf16-mixed keeps the matrices' gradients in bf16, which holds them exactly: training
+    # gives the same bits as with fp32 buffers, clipped by norm or by value (after widening). A block that runs twice
+    # in a step gets a second gradient, and its buffers become fp32 at the first step. Chunks of 256 elements, so
+    # each update widens a gradient in several chunks.
+    from lightning_slide.engine import engine as engine_module
+
+    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 256)
+    module = (_FirstBlockTwiceLM if case == "block-twice" else StackLM)(dropout=0.0)
+    clip = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value" if case == "clip-value" else "norm"}
+    probe = _RetainedGrads()
+    compact, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", callbacks=[probe], **clip)
+    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", False)
+    wide, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", **clip)
+    assert probe.dtypes == {torch.bfloat16, torch.float32}
+    matrices = sum(p.dim() >= 2 for p in module.parameters())  # the plain model's embedding is computed with in bf16
+    widened = sum(p.dim() >= 2 for p in module.net.blocks[0].parameters()) if case == "block-twice" else 0
+    assert probe.compact == [matrices - widened] * len(probe.compact)
+    for name in wide:
+        assert torch.equal(compact[name], wide[name]), name
+
+
+def test_host_plan_counts_bf16_retained_gradients_at_two_bytes():
+    from lightning_slide.engine.planner import plan_host
+
+    a, b = torch.nn.Parameter(torch.zeros(10, 4)), torch.nn.Parameter(torch.zeros(6))
+    optimizer = torch.optim.AdamW([a, b])
+    plan = plan_host([[a], [b]], optimizer, retain_grads=True, landing_bytes=0, pinned=False, compact_grads={a})
+    assert plan.retained_grads == 40 * 2 + 6 * 4
 
 
 @pytest.mark.parametrize("schedule", ["backward", "forward"])

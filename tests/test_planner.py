@@ -8,8 +8,11 @@ from lightning_slide import SlideFormerStrategy
 from lightning_slide.engine.planner import HostPlan, check_host
 
 
-@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.5, 1), (None, 2)])
-def test_plan_matches_what_training_allocates(clip, accumulate):
+@pytest.mark.parametrize(
+    ("clip", "accumulate", "precision"),
+    [(None, 1, "32-true"), (0.5, 1, "32-true"), (None, 2, "32-true"), (0.5, 1, "bf16-mixed")],
+)
+def test_plan_matches_what_training_allocates(clip, accumulate, precision):
     seen = {}
 
     class Measure(L.Callback):
@@ -21,12 +24,15 @@ def test_plan_matches_what_training_allocates(clip, accumulate):
             seen["retained"] = sum(t.numel() * t.element_size() for t in engine.router.host.values())
             seen["masters"] = sum(p.numel() * p.element_size() for p in module.parameters())
 
-    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=2, gradient_clip_val=clip,
-        accumulate_grad_batches=accumulate, callbacks=[Measure()])  # fmt: skip
+    module = CausalLM(tiny_config("llama"))
+    fit(module, SlideFormerStrategy(num_slots=2), steps=2, gradient_clip_val=clip, accumulate_grad_batches=accumulate,
+        precision=precision, callbacks=[Measure()])  # fmt: skip
     plan = seen["plan"]
     assert plan.masters == pytest.approx(seen["masters"], rel=0.1)
     assert plan.optimizer_state == pytest.approx(seen["state"], rel=0.1)
-    assert plan.retained_grads == pytest.approx(seen["retained"], rel=0.1)
+    # the plan counts the embedding's whole fp32 gradient, where the "forward" schedule keeps only its touched rows
+    embedding = module.model.get_input_embeddings().weight.numel() * 4
+    assert seen["retained"] <= plan.retained_grads <= seen["retained"] + embedding
     assert (plan.retained_grads > 0) == (clip is not None or accumulate > 1)
 
 

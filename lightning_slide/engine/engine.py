@@ -10,8 +10,8 @@ Update schedules (both give exactly the update plain training gives):
 - **"forward"** — used with gradient clipping. The global norm needs every gradient, so nothing is updated
   before the backward pass ends. Then the updates are queued in forward order (embedding, block 0, 1, ...),
   each scaled by the clipping coefficient, and the next step's forward starts at once: block i's forward waits
-  only for block i's update, so the CPU step overlaps the next forward pass. The step's fp32 gradients wait in
-  host memory (4 bytes per parameter).
+  only for block i's update, so the CPU step overlaps the next forward pass. The step's gradients wait in host
+  memory (4 bytes per parameter; 2 for the matrices computed with in bf16, COMPACT_RETAINED_GRADS).
 - **"norm-first"** — gradient clipping by norm without that host memory. A first backward pass only sums the
   gradients' squares on the device (nothing leaves it); the clipping coefficient follows, and a second backward
   pass over the same graph streams the clipped updates as "backward" does. One more backward pass of GPU work.
@@ -92,6 +92,10 @@ DEVICE_ROW_UPDATE = True
 # update (~56 ms at 32k uniform token ids on the H200's host, a trace of bench_core.py). Their gradients wait in
 # landing buffers meanwhile, where they take at most half of them.
 DEFER_TOUCHED_ROWS = True
+# With the "forward" schedule and no accumulation, the host keeps the step's gradients of the matrices the device
+# computes with in bf16 in bf16 too (compact_grads): each arrives as one bf16 tensor, so bf16 holds it exactly, in 2
+# bytes per parameter instead of 4. The CPU update widens them to fp32 a chunk at a time.
+COMPACT_RETAINED_GRADS = True
 
 
 @dataclass
@@ -380,12 +384,35 @@ class SlideEngine:
             owned,
             self.optimizer.optimizer if self.optimizer is not None else None,
             retain_grads=self._retain,
+            compact_grads=self.compact_grads(),
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
             frozen_bytes_per_element={**dict.fromkeys(self.disk_masters, copy_size), **(stored_sizes or {})},
             state_block_numel=self._chunk_numel if self.nvme_path is not None else None,
             disk_masters=self.disk_masters,
         )
+
+    def compact_grads(self) -> set[nn.Parameter]:
+        """The parameters whose retained gradients the host keeps in the compute dtype (COMPACT_RETAINED_GRADS): owned
+        matrices computed with in bf16, with the "forward" schedule and no accumulation. Not where hooks read
+        ``param.grad`` (an fp32 tensor there), nor shared weights (their contributions are summed in fp32), nor the
+        embedding (fp32 rows), nor with the state on disk."""
+        if not (
+            COMPACT_RETAINED_GRADS
+            and self.optimizer is not None
+            and self.schedule == "forward"
+            and not self._accumulates
+            and not self.hooks_read_grads
+            and self.compute_dtype == torch.bfloat16
+            and self.nvme_path is None
+        ):
+            return set()
+        return {
+            p
+            for u in self.units
+            for p, o, dtype in zip(u.params, u.owner, u.dtypes)
+            if o is u and dtype == self.compute_dtype and p not in self._shared
+        }
 
     def setup(self, loaded_masters: dict[nn.Parameter, Tensor] | None = None) -> None:
         """Pin the masters, allocate the window, and route the modules' forwards through the engine.
@@ -413,6 +440,7 @@ class SlideEngine:
                 self.optimizer,
                 retain=self._retain,
                 max_queued_bytes=self._max_queued_grad_bytes,
+                compact=self.compact_grads(),
             )
         self._ready = True  # from here on, teardown releases what setup made, also if setup fails below
         if self.nvme_path is not None:
@@ -887,6 +915,8 @@ class SlideEngine:
             self.worker.drain()
             for p in self.router.pending:
                 if split is not None and p is split.param:  # its touched rows only, in a buffer of their own
+                    continue
+                if p in self.router.compact:  # bf16, and no hook reads it
                     continue
                 if p.dtype == torch.float32 or getattr(p, "grad_dtype", p.dtype) is None:  # see setup
                     p.grad = self.router.host[p]

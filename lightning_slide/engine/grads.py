@@ -9,7 +9,10 @@ Two ways a gradient can go, chosen per run by the engine:
   squares up on the device: ``measure``.)
 - **retained** (accumulation, or update schedule "forward" for exact global-norm clipping): gradients are kept
   in host buffers for the whole accumulation window. The first contribution is copied straight into them,
-  later ones are added by the worker; the update runs once the window is complete.
+  later ones are added by the worker; the update runs once the window is complete. ``compact`` parameters (one
+  bf16 contribution per window: ``SlideEngine.compact_grads``) keep theirs in bf16, which holds it exactly, and the
+  update widens it to fp32 a chunk at a time; one that receives a second contribution (a block that ran twice) is
+  widened to fp32 for the rest of the run.
 
 Contributions from a unit that does not own a parameter (the output head of a model with tied embeddings)
 wait on the device until the owner's backward adds its own, so every parameter is moved and updated once.
@@ -74,15 +77,25 @@ class GradRouter:
         worker: the CPU worker.
         optimizer: the CPU optimizer driver.
         retain: keep full gradients on the host for the accumulation window (see module docstring).
+        compact: retained gradients kept in bf16 (see module docstring).
     """
 
     def __init__(
-        self, transfer: Transfer, worker: CpuWorker, optimizer: CpuOptimizer, *, retain: bool, max_queued_bytes: int
+        self,
+        transfer: Transfer,
+        worker: CpuWorker,
+        optimizer: CpuOptimizer,
+        *,
+        retain: bool,
+        max_queued_bytes: int,
+        compact: set[nn.Parameter] = frozenset(),
     ) -> None:
         self.transfer = transfer
         self.worker = worker
         self.optimizer = optimizer
         self.retain = retain
+        self.compact = set(compact) if retain else set()
+        self._widening: Tensor | None = None  # the worker's fp32 chunk for a compact gradient's update
         self.host: dict[nn.Parameter, Tensor] = {}  # retained gradients (views into one buffer per owner unit)
         self.fresh: dict[nn.Parameter, bool] = {}  # retained buffer holds nothing of this window yet
         self.pending: set[nn.Parameter] = set()  # parameters with gradients in this window
@@ -311,20 +324,31 @@ class GradRouter:
     ) -> None:
         tr = self.transfer
         direct = self.retain and self._take_fresh(owner, param)
+        compact = param in self.compact
+        if compact and not (direct and len(contribs) == 1 and _dtype(contribs[0]) == self.host[param].dtype):
+            self._widen(param, keep=not direct)
+            compact = False
         if direct:
             self._device_sq[param] = torch.zeros((), dtype=torch.float32, device=tr.device)
         else:
             self._device_sq.pop(param, None)
         for cut, shape, last in self._chunks(param):
             landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
-            stage = tr.down_stage(math.prod(shape)).view(shape)
-            _combine(stage, contribs, cut)
-            if direct:
+            numel = math.prod(shape)
+            stage = tr.down_stage(numel)
+            if compact:  # the bf16 gradient as it came, in the first half of the fp32 chunk
+                stage = stage.view(torch.bfloat16)[:numel].view(shape)
+                stage.copy_(_rows(contribs[0], cut))
+                flat = stage.view(-1).float()
+            else:
+                stage = stage.view(shape)
+                _combine(stage, contribs, cut)
                 flat = stage.view(-1)
+            if direct:
                 self._device_sq[param] += torch.dot(flat, flat)
-            target = _rows(self.host[param], cut) if direct else landing[: stage.numel()].view(shape)
+            target = _rows(self.host[param], cut) if direct else landing[:numel].view(shape)
             event = tr.download(stage, target)
-            self.download_bytes += 4 * stage.numel()
+            self.download_bytes += stage.element_size() * numel
             if plan is not None:
                 self.worker.submit(self._apply_chunk, param, cut, landing, target, plan, last, after=event)
             else:
@@ -423,12 +447,23 @@ class GradRouter:
 
     def _allocate(self, owner: Unit) -> None:
         params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p not in self.host]
-        flat = self.transfer.host_empty(sum(p.numel() for p in params))
-        offset = 0
-        for p in params:
-            self.host[p] = flat[offset : offset + p.numel()].view(p.shape)
-            self.fresh[p] = True
-            offset += p.numel()
+        for dtype in (torch.float32, torch.bfloat16):
+            these = [p for p in params if (p in self.compact) == (dtype == torch.bfloat16)]
+            flat = self.transfer.host_empty(sum(p.numel() for p in these), dtype)
+            offset = 0
+            for p in these:
+                self.host[p] = flat[offset : offset + p.numel()].view(p.shape)
+                self.fresh[p] = True
+                offset += p.numel()
+
+    def _widen(self, param: nn.Parameter, *, keep: bool) -> None:
+        # a compact gradient becomes fp32 for good: a second contribution in the window (``keep``: the worker copies
+        # the first one over, after the copies queued before) or one not in bf16
+        compact = self.host[param]
+        self.host[param] = wide = self.transfer.host_empty(param.numel()).view(param.shape)
+        self.compact.discard(param)
+        if keep:
+            self.worker.submit(wide.copy_, compact)
 
     def _finite_flag(self, owner: Unit, contributions: list[Contribution]) -> tuple[Tensor, object]:
         ok = torch.ones((), dtype=torch.bool, device=self.transfer.device)
@@ -574,22 +609,45 @@ class GradRouter:
     def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
         grads = [self.host[p] for p in params]
         if check_finite:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+            norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]), 2.0)
             if not torch.isfinite(norm):
                 raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
-        if plan.clip_value is not None:
-            torch._foreach_clamp_min_(grads, -plan.clip_value)
-            torch._foreach_clamp_max_(grads, plan.clip_value)
+        wide = [g for g in grads if g.dtype == torch.float32]
+        if plan.clip_value is not None and wide:
+            torch._foreach_clamp_min_(wide, -plan.clip_value)
+            torch._foreach_clamp_max_(wide, plan.clip_value)
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(params):
             groups.setdefault(self.optimizer.group_index(p), []).append(i)
         for g, idx in groups.items():
+            hypers = plan.hypers[g]
             ps = [params[i] for i in idx]
             for p in ps:
-                self.optimizer.begin(p, plan.hypers[g])
-            self.optimizer.update(ps, [grads[i] for i in idx], plan.hypers[g], grad_scale=plan.grad_scale)
+                self.optimizer.begin(p, hypers)
+            together = [i for i in idx if grads[i].dtype == torch.float32]
+            if together:
+                self.optimizer.update([params[i] for i in together], [grads[i] for i in together], hypers,
+                                      grad_scale=plan.grad_scale)  # fmt: skip
+            for i in idx:
+                if grads[i].dtype != torch.float32:
+                    self._update_compact(params[i], grads[i], hypers, plan)
             for p in ps:
                 self.optimizer.end(p)
+
+    def _update_compact(self, param: nn.Parameter, grad: Tensor, hypers: Hypers, plan: StepPlan) -> None:
+        # a bf16 retained gradient, widened to fp32 a chunk at a time (clipped by value there)
+        if self._widening is None:
+            self._widening = torch.empty(self.transfer.chunk_numel, dtype=torch.float32)
+        for cut, shape, _ in self._chunks(param):
+            chunk = self._widening[: math.prod(shape)].view(shape)
+            chunk.copy_(_rows(grad, cut))
+            if plan.clip_value is not None:
+                chunk.clamp_(-plan.clip_value, plan.clip_value)
+            self.optimizer.update([param], [chunk], hypers, rows=[cut], grad_scale=plan.grad_scale)
+
+
+def _dtype(c: Contribution) -> torch.dtype:
+    return c.values.dtype if isinstance(c, Rows) else c.dtype
 
 
 def _tensors(c: Contribution) -> tuple[Tensor, ...]:

@@ -3,8 +3,9 @@ the machine: the RAM the process may still take and the locked-memory limit (``u
 
 What the run adds to the host on top of the model it was given (whose parameters are already in RAM):
 optimizer state (AdamW/Adam: 8 bytes per trainable parameter, +4 with amsgrad; SGD with momentum: 4), retained
-gradients (4 bytes per trainable parameter with the "forward" schedule or gradient accumulation), the landing
-buffers of gradients in flight, and, while the masters are pinned unit by unit, one unit's copy at a time.
+gradients (4 bytes per trainable parameter with the "forward" schedule or gradient accumulation, 2 for those kept in
+bf16), the landing buffers of gradients in flight, and, while the masters are pinned unit by unit, one unit's copy
+at a time.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def plan_host(
     *,
     retain_grads: bool,
     landing_bytes: int,
+    compact_grads: set[nn.Parameter] = frozenset(),
     pinned: bool,
     frozen_bytes_per_element: dict[nn.Parameter, int] | None = None,
     state_block_numel: int | None = None,
@@ -62,6 +64,7 @@ def plan_host(
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
     Args:
+        compact_grads: parameters whose retained gradients are kept in bf16.
         frozen_bytes_per_element: element sizes that parameters will be stored with, where they differ from now.
         state_block_numel: with the optimizer state on disk, the elements of its row blocks (``None``: in RAM).
         disk_masters: parameters whose fp32 masters are on disk too, in the state's blocks (their copy in RAM is
@@ -87,7 +90,7 @@ def plan_host(
         disk += sum(page_aligned(p.numel() * 4) for p in disk_masters)
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
         state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * READ_AHEAD_BYTES)
-    retained = trainable_bytes if retain_grads and optimizer is not None else 0
+    retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable) if retain_grads else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     locked = masters + retained + landing_bytes if pinned else 0
     return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk)
@@ -136,7 +139,7 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
         )
     if plan.added > available:
         retained = (
-            f" or keep the step's fp32 gradients out of RAM ({plan.retained_grads / GIB:.2f} GiB; gradient"
+            f" or keep the step's gradients out of RAM ({plan.retained_grads / GIB:.2f} GiB; gradient"
             " accumulation and update_schedule='forward' keep them there): drop accumulation, and clip with"
             " update_schedule='norm-first';"
             if plan.retained_grads
