@@ -42,6 +42,18 @@ def timed(fn, backward: bool) -> float:
     return do_bench(step, warmup=50, rep=300, return_mode="median")
 
 
+def autotuned(module) -> str:
+    """The configs the autotuner last picked for ``module``'s kernels (forward, dK/dV, dQ): a slow reading can then be
+    told apart from a poor pick."""
+    picks = []
+    for name in ("_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"):
+        config = getattr(getattr(module, name, None), "best_config", None)
+        if config is not None:
+            kw = config.kwargs
+            picks.append(f"{name[1:-7]} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}")
+    return "autotuned: " + ", ".join(picks) if picks else ""
+
+
 def dense_systems(q, k, v):
     # q: (B, S, Hq, D); SDPA and Flex take (B, H, S, D)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -143,7 +155,7 @@ def main() -> None:
             try:
                 ms = timed(fn, backward)
                 tflops = flops * (3.5 if backward else 1.0) / (ms * 1e-3) / 1e12
-                note = ""
+                note = autotuned(attention) if name.startswith("ours") else ""
             except Exception as err:  # keep the others; say what failed
                 ms, tflops, note = float("nan"), float("nan"), f"FAILED: {type(err).__name__}: {str(err)[:200]}"
             append_row(args.out, {**common, "case": case, "system": name, "pass": "fwd+bwd" if backward else "fwd",

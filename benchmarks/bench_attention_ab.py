@@ -22,7 +22,7 @@ import torch
 import triton.language as tl
 from triton.testing import do_bench
 
-from bench_attention import packed_offsets
+from bench_attention import autotuned, packed_offsets
 from results_csv import append_row, environment
 
 HQ, HKV, D = 32, 8, 128
@@ -82,6 +82,8 @@ def main() -> None:
 
                 times[name].append(do_bench(step, warmup=25, rep=200, return_mode="median"))
         ms = {name: sorted(t)[1] for name, t in times.items()}
+        for name, module in modules.items():
+            print(f"{case} {name}: {autotuned(module)}", flush=True)
         for name in labels:
             tflops = flops * 3.5 / (ms[name] * 1e-3) / 1e12
             row = {"case": case, "system": name, "pass": "fwd+bwd", "ms": ms[name], "tflops": tflops}
