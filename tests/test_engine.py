@@ -95,14 +95,21 @@ class _KeepModule(L.Callback):
 
 
 @pytest.mark.parametrize(
-    ("clip", "accumulate", "schedule"), [(None, 1, "auto"), (1.0, 1, "auto"), (None, 2, "auto"), (None, 1, "forward")]
+    ("clip", "accumulate", "schedule", "precision"),
+    [
+        (None, 1, "auto", "32-true"),
+        (1.0, 1, "auto", "32-true"),
+        (None, 2, "auto", "32-true"),
+        (None, 1, "forward", "32-true"),
+        (None, 1, "forward", "bf16-mixed"),  # retained in bf16 (COMPACT_RETAINED_GRADS)
+    ],
 )
-def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate, schedule):
+def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate, schedule, precision):
     # streamed (checked on the device), clipped (the global norm), retained (checked on the host, grads.py; with
     # "forward", the embedding's touched rows first)
     with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in '(model|the global)"):
         fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule), steps=4,
-            gradient_clip_val=clip, accumulate_grad_batches=accumulate)  # fmt: skip
+            gradient_clip_val=clip, accumulate_grad_batches=accumulate, precision=precision)  # fmt: skip
 
 
 def test_nonfinite_step_can_be_skipped_with_clipping():
