@@ -73,15 +73,8 @@ def _bounds(cu_seqlens, seq):
 
 @triton.jit
 def _tile(base, start, offs, head, stride_t, stride_h, offs_d, ok):
-    # (len(offs), D) rows of one head, zeros where not ok
-    return tl.load(base + (start + offs)[:, None] * stride_t + head * stride_h + offs_d[None, :], mask=ok[:, None],
-                   other=0.0)  # fmt: skip
-
-
-@triton.jit
-def _packed_rows(Base, start, pos, heads, stride_t, stride_h, offs_d, ok):
-    # (BLOCK_M, D): row r is position pos[r] of head heads[r], zeros where not ok
-    return tl.load(Base + ((start + pos) * stride_t + heads * stride_h)[:, None] + offs_d[None, :], mask=ok[:, None],
+    # (len(offs), D): row r is position offs[r] of ``head`` (one head, or one per row), zeros where not ok
+    return tl.load(base + ((start + offs) * stride_t + head * stride_h)[:, None] + offs_d[None, :], mask=ok[:, None],
                    other=0.0)  # fmt: skip
 
 
@@ -193,7 +186,7 @@ def _fwd_kernel(
     offs_m, heads = _query_rows(m_start, head0, ROWS, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seqlen
-    q = _packed_rows(Q, start, offs_m, heads, stride_qt, stride_qh, offs_d, row_ok)
+    q = _tile(Q, start, offs_m, heads, stride_qt, stride_qh, offs_d, row_ok)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -379,8 +372,8 @@ def _bwd_dq_kernel(
     offs_m, heads = _query_rows(m_start, head0, ROWS, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seqlen
-    q = _packed_rows(Q, start, offs_m, heads, stride_qt, stride_qh, offs_d, row_ok)
-    do = _packed_rows(DO, start, offs_m, heads, stride_dot, stride_doh, offs_d, row_ok)
+    q = _tile(Q, start, offs_m, heads, stride_qt, stride_qh, offs_d, row_ok)
+    do = _tile(DO, start, offs_m, heads, stride_dot, stride_doh, offs_d, row_ok)
     lse = tl.load(LSE + heads * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + heads * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
