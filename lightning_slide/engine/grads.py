@@ -612,7 +612,8 @@ class GradRouter:
             norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]), 2.0)
             if not torch.isfinite(norm):
                 raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
-        wide = [g for g in grads if g.dtype == torch.float32]
+        compact = [g.dtype != torch.float32 for g in grads]  # bf16: widened chunk by chunk (_update_compact)
+        wide = [g for g, c in zip(grads, compact) if not c]
         if plan.clip_value is not None and wide:
             torch._foreach_clamp_min_(wide, -plan.clip_value)
             torch._foreach_clamp_max_(wide, plan.clip_value)
@@ -621,18 +622,17 @@ class GradRouter:
             groups.setdefault(self.optimizer.group_index(p), []).append(i)
         for g, idx in groups.items():
             hypers = plan.hypers[g]
-            ps = [params[i] for i in idx]
-            for p in ps:
-                self.optimizer.begin(p, hypers)
-            together = [i for i in idx if grads[i].dtype == torch.float32]
+            for i in idx:
+                self.optimizer.begin(params[i], hypers)
+            together = [i for i in idx if not compact[i]]
             if together:
                 self.optimizer.update([params[i] for i in together], [grads[i] for i in together], hypers,
                                       grad_scale=plan.grad_scale)  # fmt: skip
             for i in idx:
-                if grads[i].dtype != torch.float32:
+                if compact[i]:
                     self._update_compact(params[i], grads[i], hypers, plan)
-            for p in ps:
-                self.optimizer.end(p)
+            for i in idx:
+                self.optimizer.end(params[i])
 
     def _update_compact(self, param: nn.Parameter, grad: Tensor, hypers: Hypers, plan: StepPlan) -> None:
         # a bf16 retained gradient, widened to fp32 a chunk at a time (clipped by value there)
