@@ -147,13 +147,21 @@ def run_slideformer(
                 marks["start"] = time.perf_counter()
                 profiler.start()
 
+        def on_fit_start(self, trainer, module):
+            # The end of backward is marked by wrapping the module's backward, not in on_after_backward: a hook that
+            # may read param.grad makes the strategy keep fp32 gradients ("forward" would then not be the user's).
+            backward = module.backward
+
+            def marked_backward(*args, **kwargs):
+                backward(*args, **kwargs)
+                if "start" in marks:
+                    marks["backward_done"] = time.perf_counter()
+
+            module.backward = marked_backward
+
         def on_before_backward(self, trainer, module, loss):
             if "start" in marks:
                 marks["forward_done"] = time.perf_counter()
-
-        def on_after_backward(self, trainer, module):
-            if "start" in marks:
-                marks["backward_done"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             torch.cuda.synchronize()
@@ -186,6 +194,7 @@ def run_slideformer(
     trainer.fit(module, data)
     torch.cuda.synchronize()
     module._trainer = None  # the trainer holds the optimizer and its state: the next run starts without them
+    del module.backward  # Clock's wrapper
     step_times = [b - a for a, b in zip(times[warmup - 1 :], times[warmup:])]
     deltas = [[b - a for a, b in zip(t0, t1)] for t0, t1 in zip(timeline[warmup - 1 :], timeline[warmup:])]
     mid = sorted(range(len(step_times)), key=step_times.__getitem__)[len(step_times) // 2]
