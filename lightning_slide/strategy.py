@@ -27,6 +27,7 @@ from typing_extensions import override
 from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
 from .engine import SlideEngine
+from .engine import engine as engine_module
 from .engine.planner import (
     HostPlan,
     available_host_bytes,
@@ -61,8 +62,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             memory); ``"norm-first"`` clips by norm without keeping them: a first backward pass only finds the
             global norm, a second one streams the clipped updates as ``"backward"`` does (one more backward pass
             of GPU work; Trainer(gradient_clip_val=...) by norm, no accumulation). ``"auto"`` picks ``"forward"``
-            when gradient clipping is configured, ``"norm-first"`` instead when the gradients would not fit in
-            RAM, and ``"backward"`` otherwise.
+            when gradient clipping is configured (keeping the bf16 gradients in bf16 when fp32 ones would not fit
+            in RAM), ``"norm-first"`` instead when even those would not fit, and ``"backward"`` otherwise.
         install_loss: on Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3), compute ``labels=`` losses from
             the hidden states without building the full logits.
         on_nonfinite: ``"raise"`` stops training at a NaN/Inf gradient; ``"skip"`` (clipping by norm only)
@@ -237,6 +238,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             if restore is not None:
                 self._restores.append(restore)
 
+        compact = engine_module.COMPACT_RETAINED_GRADS is True  # "auto": where fp32 gradients would not fit (below)
+
         def make_engine(nvme_path: str | None) -> SlideEngine:
             return SlideEngine(
                 module,
@@ -255,6 +258,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 nvme_path=nvme_path,
                 nvme_masters=self.nvme_masters,
                 hooks_read_grads=_hooks_read_grads(trainer, module),
+                compact_grads=compact,
             )
 
         self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
@@ -262,6 +266,15 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
         stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
         plan, available = self.engine.host_plan(stored), available_host_bytes()
+        if plan.added > available and engine_module.COMPACT_RETAINED_GRADS == "auto":
+            compact = True
+            candidate = make_engine(self.engine.nvme_path)
+            if candidate.compact_grads():
+                self.engine, plan = candidate, candidate.host_plan(stored)
+                log.info(
+                    "SlideFormer keeps the step's bf16 gradients in bf16 on the host (a slower CPU update): in fp32"
+                    " they would not fit the %.2f GiB of RAM available.", available / 2**30,
+                )  # fmt: skip
         if self._norm_first_instead(trainer, module, plan, available):
             log.info(
                 "SlideFormer clips with update_schedule='norm-first' (two backward passes): keeping the step's"

@@ -104,9 +104,12 @@ class _KeepModule(L.Callback):
         (None, 1, "forward", "bf16-mixed"),  # retained in bf16 (COMPACT_RETAINED_GRADS)
     ],
 )
-def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate, schedule, precision):
+def test_nonfinite_gradient_stops_with_step_and_block(monkeypatch, clip, accumulate, schedule, precision):
     # streamed (checked on the device), clipped (the global norm), retained (checked on the host, grads.py; with
     # "forward", the embedding's touched rows first)
+    from lightning_slide.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)
     with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in '(model|the global)"):
         fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule), steps=4,
             gradient_clip_val=clip, accumulate_grad_batches=accumulate, precision=precision)  # fmt: skip
@@ -427,8 +430,12 @@ class _RetainedGrads(L.Callback):
         self.compact.append(len(router.compact))
 
 
-@pytest.mark.parametrize("case", ["clip-norm", "clip-value", "block-twice"])
-def test_bf16_retained_gradients_train_the_same_bits_as_fp32_ones(monkeypatch, case):
+@pytest.mark.parametrize(
+    ("case", "accelerator"),
+    [("clip-norm", "cpu"), ("clip-value", "cpu"), ("block-twice", "cpu"),
+     pytest.param("clip-norm", "gpu", marks=pytest.mark.gpu)],  # pinned bf16 buffers, the bf16 view of the stage
+)  # fmt: skip
+def test_bf16_retained_gradients_train_the_same_bits_as_fp32_ones(monkeypatch, case, accelerator):
     # schedule "forward" under bf16-mixed keeps the matrices' gradients in bf16, which holds them exactly: training
     # gives the same bits as with fp32 buffers, clipped by norm or by value (after widening). A block that runs twice
     # in a step gets a second gradient, and its buffers become fp32 at the first step. Chunks of 256 elements, so
@@ -437,11 +444,13 @@ def test_bf16_retained_gradients_train_the_same_bits_as_fp32_ones(monkeypatch, c
 
     monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 256)
     module = (_FirstBlockTwiceLM if case == "block-twice" else StackLM)(dropout=0.0)
-    clip = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value" if case == "clip-value" else "norm"}
+    kwargs = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value" if case == "clip-value" else "norm",
+              "accelerator": accelerator}  # fmt: skip
     probe = _RetainedGrads()
-    compact, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", callbacks=[probe], **clip)
+    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)  # "auto" would keep fp32 where it fits
+    compact, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", callbacks=[probe], **kwargs)
     monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", False)
-    wide, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", **clip)
+    wide, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", **kwargs)
     assert probe.dtypes == {torch.bfloat16, torch.float32}
     matrices = sum(p.dim() >= 2 for p in module.parameters())  # the plain model's embedding is computed with in bf16
     widened = sum(p.dim() >= 2 for p in module.net.blocks[0].parameters()) if case == "block-twice" else 0
@@ -753,6 +762,38 @@ def test_auto_clips_with_norm_first_when_the_gradients_would_not_fit_ram(monkeyp
         _, module = fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), steps=1, gradient_clip_val=0.5,
                         callbacks=[Plans()])  # fmt: skip
     assert "update_schedule='norm-first'" in caplog.text
+
+
+def test_auto_keeps_bf16_gradients_in_bf16_only_when_fp32_ones_would_not_fit_ram(monkeypatch, caplog):
+    import lightning_slide.strategy as strategy_module
+    from lightning_slide.engine import engine as engine_module
+
+    seen = {}
+
+    class Probe(L.Callback):
+        def on_train_start(self, trainer, *args):
+            engine = trainer.strategy.engine
+            seen.update(plan=engine.host_plan(), schedule=engine.schedule, compact=len(engine.router.compact))
+
+    def run():
+        seen.clear()
+        fit(StackLM(dropout=0.0), SlideFormerStrategy(num_slots=2), steps=1, precision="bf16-mixed",
+            gradient_clip_val=0.5, callbacks=[Probe()])  # fmt: skip
+        return dict(seen)
+
+    wide = run()  # "auto", plenty of RAM: fp32 gradients
+    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)
+    compact = run()
+    assert wide["compact"] == 0 < compact["compact"]
+    assert compact["plan"].added < wide["plan"].added
+    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", "auto")
+    monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: wide["plan"].added)
+    assert run()["compact"] == 0
+    monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: wide["plan"].added - 1)
+    with caplog.at_level("INFO", logger="lightning_slide.strategy"):
+        picked = run()
+    assert (picked["schedule"], picked["compact"]) == ("forward", compact["compact"])
+    assert "bf16 gradients in bf16" in caplog.text
 
 
 class _ReadsGrads(L.Callback):

@@ -12,7 +12,10 @@ from lightning_slide.engine.planner import HostPlan, check_host
     ("clip", "accumulate", "precision"),
     [(None, 1, "32-true"), (0.5, 1, "32-true"), (None, 2, "32-true"), (0.5, 1, "bf16-mixed")],
 )
-def test_plan_matches_what_training_allocates(clip, accumulate, precision):
+def test_plan_matches_what_training_allocates(monkeypatch, clip, accumulate, precision):
+    from lightning_slide.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)  # bf16-mixed, clipped: bf16 gradients
     seen = {}
 
     class Measure(L.Callback):

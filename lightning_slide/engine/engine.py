@@ -92,10 +92,13 @@ DEVICE_ROW_UPDATE = True
 # update (~56 ms at 32k uniform token ids on the H200's host, a trace of bench_core.py). Their gradients wait in
 # landing buffers meanwhile, where they take at most half of them.
 DEFER_TOUCHED_ROWS = True
-# With the "forward" schedule and no accumulation, the host keeps the step's gradients of the matrices the device
+# With the "forward" schedule and no accumulation, the host can keep the step's gradients of the matrices the device
 # computes with in bf16 in bf16 too (compact_grads): each arrives as one bf16 tensor, so bf16 holds it exactly, in 2
-# bytes per parameter instead of 4. The CPU update widens them to fp32 a chunk at a time.
-COMPACT_RETAINED_GRADS = True
+# bytes per parameter instead of 4. The CPU update widens them to fp32 a chunk at a time, and the step is slower:
+# 5-10 % at 8k and 32k tokens per step in bench_core.py on the H200 machine (widening alone, bench_cpu_adam.py
+# --widen, costs little; beside the next forward's uploads it does not). "auto": only where fp32 gradients would not
+# fit the RAM available (the strategy decides, before "norm-first"); True: always; False: never.
+COMPACT_RETAINED_GRADS: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -141,6 +144,7 @@ class SlideEngine:
         hooks_read_grads: user code may read or change ``param.grad`` between backward and step (an overridden
             ``on_after_backward``, ``on_before_optimizer_step`` or ``configure_gradient_clipping``); with the
             "forward" schedule the gradients are then shown there, and the embedding's update is not split.
+        compact_grads: keep retained gradients in bf16 where they can be (see :meth:`compact_grads`).
     """
 
     def __init__(
@@ -164,6 +168,7 @@ class SlideEngine:
         nvme_path: str | None = None,
         nvme_masters: bool = False,
         hooks_read_grads: bool = True,
+        compact_grads: bool = False,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -216,6 +221,7 @@ class SlideEngine:
         self._retain = retain_grads or schedule == "forward"
         self._accumulates = retain_grads
         self.hooks_read_grads = hooks_read_grads
+        self._compact_grads = compact_grads
         self._offload_activations = offload_activations
         self.activations: ActivationStash | None = None
         self.offloading: int | None = 0  # the first blocks whose inputs go to the host; None: "auto", undecided
@@ -393,12 +399,12 @@ class SlideEngine:
         )
 
     def compact_grads(self) -> set[nn.Parameter]:
-        """The parameters whose retained gradients the host keeps in the compute dtype (COMPACT_RETAINED_GRADS): owned
-        matrices computed with in bf16, with the "forward" schedule and no accumulation. Not where hooks read
-        ``param.grad`` (an fp32 tensor there), nor shared weights (their contributions are summed in fp32), nor the
-        embedding (fp32 rows), nor with the state on disk."""
+        """The parameters whose retained gradients the host keeps in the compute dtype (``compact_grads``,
+        COMPACT_RETAINED_GRADS): owned matrices computed with in bf16, with the "forward" schedule and no
+        accumulation. Not where hooks read ``param.grad`` (an fp32 tensor there), nor shared weights (their
+        contributions are summed in fp32), nor the embedding (fp32 rows), nor with the state on disk."""
         if not (
-            COMPACT_RETAINED_GRADS
+            self._compact_grads
             and self.optimizer is not None
             and self.schedule == "forward"
             and not self._accumulates
