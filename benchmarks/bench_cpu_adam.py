@@ -1,7 +1,10 @@
 """The CPU optimizer's budget (GPU machine): torch's fused CPU AdamW on pageable vs pinned memory, alone and while
-PCIe copies run in both directions, and whole tensors vs 8M-element chunks.
+PCIe copies run in both directions, and whole tensors vs 8M-element chunks. ``--widen`` instead compares fp32
+gradients with bf16 ones widened to fp32 a chunk at a time (the "forward" schedule's bf16 retained gradients), for
+several chunk sizes.
 
     python benchmarks/bench_cpu_adam.py --params 1e9
+    python benchmarks/bench_cpu_adam.py --params 1e9 --widen
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from results_csv import append_row, environment
 
 
 def adam_time(params, grads, threads: int, chunk: int | None, repeats: int = 3) -> float:
+    """Median time of fused AdamW over ``params``; bf16 ``grads`` are widened into an fp32 chunk first."""
     states = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
     steps = [torch.zeros(()) for _ in params]
+    wide = torch.empty(chunk) if grads[0].dtype != torch.float32 else None
     torch.set_num_threads(threads)
     times = []
     for _ in range(repeats + 1):
@@ -28,10 +33,29 @@ def adam_time(params, grads, threads: int, chunk: int | None, repeats: int = 3) 
             s += 1
             cuts = [slice(None)] if chunk is None else [slice(i, i + chunk) for i in range(0, p.numel(), chunk)]
             for c in cuts:
-                torch._fused_adamw_([p[c]], [g[c]], [m[c]], [v[c]], [], [s], lr=1e-5, beta1=0.9, beta2=0.999,
+                grad = g[c] if wide is None else wide[: len(g[c])].copy_(g[c])
+                torch._fused_adamw_([p[c]], [grad], [m[c]], [v[c]], [], [s], lr=1e-5, beta1=0.9, beta2=0.999,
                                     weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+def widen(n: int, threads: int, common: dict, out: str) -> None:
+    params = [torch.randn(n, pin_memory=True) for _ in range(4)]
+    grads = [torch.randn(n, pin_memory=True) * 1e-3 for _ in range(4)]
+    cases = [(torch.float32, None), (torch.float32, 1 << 23)] + [(torch.bfloat16, 1 << k) for k in (23, 21, 19, 17)]
+    for load in (False, True):
+        for dtype, chunk in cases + cases[::-1]:  # both orders: drift shows as a difference between the two
+            these = [g.to(dtype) for g in grads]
+            if load:
+                with PcieLoad() as pcie:
+                    t = adam_time(params, these, threads, chunk)
+                gbps = pcie.gbps
+            else:
+                t, gbps = adam_time(params, these, threads, chunk), 0.0
+            append_row(out, {**common, "memory": "pinned", "grads": str(dtype).removeprefix("torch."),
+                             "chunk": chunk or 0, "pcie_load_gbps": round(gbps, 1), "seconds": t,
+                             "gparams_per_s": 4 * n / t / 1e9})  # fmt: skip
 
 
 class PcieLoad:
@@ -69,11 +93,15 @@ class PcieLoad:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=float, default=1e9)
+    parser.add_argument("--widen", action="store_true", help="fp32 vs bf16 gradients widened in chunks")
     parser.add_argument("--out", default="benchmarks/results/cpu_adam.csv")
     args = parser.parse_args()
     n = int(args.params) // 4
     threads = max(1, os.cpu_count() - 1)
     common = {**environment(), "threads": threads, "params": 4 * n}
+    if args.widen:
+        widen(n, threads, common, args.out)
+        return
     for memory in ("pageable", "pinned"):
         params = [torch.randn(n, pin_memory=memory == "pinned") for _ in range(4)]
         grads = [torch.randn(n, pin_memory=memory == "pinned") * 1e-3 for _ in range(4)]
@@ -85,7 +113,7 @@ def main() -> None:
                     gbps = pcie.gbps
                 else:
                     t, gbps = adam_time(params, grads, threads, chunk), 0.0
-                append_row(args.out, {**common, "memory": memory, "chunk": chunk or 0,
+                append_row(args.out, {**common, "memory": memory, "grads": "float32", "chunk": chunk or 0,
                                       "pcie_load_gbps": round(gbps, 1), "seconds": t,
                                       "gparams_per_s": 4 * n / t / 1e9})  # fmt: skip
         del params, grads
