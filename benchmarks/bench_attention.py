@@ -8,6 +8,7 @@ TFLOP/s use 4*B*Hq*N^2*D, halved for causal, x3.5 for fwd+bwd; for packed batche
 Appends CSV rows to --out.
 
     python benchmarks/bench_attention.py
+    python benchmarks/bench_attention.py --kernels   # ours, packed and dense at the packed length: GPU time per kernel
 """
 
 from __future__ import annotations
@@ -129,6 +130,21 @@ def _fa2_varlen(q, k, v, cu, max_len):
     return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **kv)
 
 
+def kernel_ms(fn, iters: int = 20) -> dict[str, float]:
+    """GPU time per kernel name of one fwd+bwd of ``fn``, in ms (the mean over ``iters`` profiled runs)."""
+    timed(fn, backward=True)  # compiled and autotuned outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(iters):
+            out = fn()
+            out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in profiler.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / iters
+    return totals
+
+
 def packed_offsets(total: int) -> tuple[Tensor, list[int]]:
     """cu_seqlens (on the GPU) and lengths of 16 documents of random lengths (seeded) in ``total`` tokens."""
     cuts = torch.sort(torch.randperm(total - 1, generator=torch.Generator().manual_seed(0))[:15] + 1).values
@@ -141,6 +157,8 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,8192")
     parser.add_argument("--packed-tokens", type=int, default=16384)
     parser.add_argument("--out", default="benchmarks/results/attention.csv")
+    parser.add_argument("--kernels", action="store_true", help="only: GPU time per kernel, packed vs dense (ours)")
+    parser.add_argument("--kernels-out", default="benchmarks/results/attention_kernels.csv")
     args = parser.parse_args()
     attention.TRITON_ON_CUDA = True
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -161,6 +179,19 @@ def main() -> None:
             append_row(args.out, {**common, "case": case, "system": name, "pass": "fwd+bwd" if backward else "fwd",
                                   "ms": ms, "tflops": tflops, "note": note})  # fmt: skip
 
+    if args.kernels:  # where our packed fwd+bwd spends its time, beside the dense kernel at the same length
+        total = args.packed_tokens
+        cu, lengths = packed_offsets(total)
+        q, k, v = make(total, HQ, D), make(total, HKV, D), make(total, HKV, D)
+        systems = {
+            "ours_packed": lambda: flash_attention(q, k, v, cu_seqlens=cu, max_seqlen=max(lengths)),
+            "ours_dense_same_length": lambda: flash_attention(q[None], k[None], v[None], causal=True),
+        }
+        for name, fn in systems.items():
+            row = {**common, "case": f"packed_16docs_T{total}", "system": name}
+            for kernel, ms in sorted(kernel_ms(fn).items(), key=lambda kv: -kv[1]):
+                append_row(args.kernels_out, {**row, "kernel": kernel[:120], "ms": ms, "note": autotuned(attention)})
+        return
     for n in (int(x) for x in args.lengths.split(",")):
         q, k, v = make(B, n, HQ, D), make(B, n, HKV, D), make(B, n, HKV, D)
         flops = 4 * B * HQ * n * n * D / 2
