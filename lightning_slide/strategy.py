@@ -238,9 +238,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             if restore is not None:
                 self._restores.append(restore)
 
-        compact = engine_module.COMPACT_RETAINED_GRADS is True  # "auto": where fp32 gradients would not fit (below)
-
-        def make_engine(nvme_path: str | None) -> SlideEngine:
+        # bf16 retained gradients: "auto" only where fp32 ones would not fit (below)
+        def make_engine(
+            nvme_path: str | None, compact_grads: bool = engine_module.COMPACT_RETAINED_GRADS is True
+        ) -> SlideEngine:
             return SlideEngine(
                 module,
                 layout.blocks,
@@ -258,7 +259,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 nvme_path=nvme_path,
                 nvme_masters=self.nvme_masters,
                 hooks_read_grads=_hooks_read_grads(trainer, module),
-                compact_grads=compact,
+                compact_grads=compact_grads,
             )
 
         self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
@@ -267,8 +268,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
         plan, available = self.engine.host_plan(stored), available_host_bytes()
         if plan.added > available and engine_module.COMPACT_RETAINED_GRADS == "auto":
-            compact = True
-            candidate = make_engine(self.engine.nvme_path)
+            candidate = make_engine(self.engine.nvme_path, compact_grads=True)
             if candidate.compact_grads():
                 self.engine, plan = candidate, candidate.host_plan(stored)
                 log.info(

@@ -449,6 +449,8 @@ class GradRouter:
         params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p not in self.host]
         for dtype in (torch.float32, torch.bfloat16):
             these = [p for p in params if (p in self.compact) == (dtype == torch.bfloat16)]
+            if not these:  # no empty pinned buffer per unit
+                continue
             flat = self.transfer.host_empty(sum(p.numel() for p in these), dtype)
             offset = 0
             for p in these:
