@@ -615,10 +615,6 @@ class GradRouter:
             if not torch.isfinite(norm):
                 raise NonFiniteGradientError(_nonfinite_message(plan.step, name))
         compact = [g.dtype != torch.float32 for g in grads]  # bf16: widened chunk by chunk (_update_compact)
-        wide = [g for g, c in zip(grads, compact) if not c]
-        if plan.clip_value is not None and wide:
-            torch._foreach_clamp_min_(wide, -plan.clip_value)
-            torch._foreach_clamp_max_(wide, plan.clip_value)
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(params):
             groups.setdefault(self.optimizer.group_index(p), []).append(i)
@@ -628,8 +624,11 @@ class GradRouter:
                 self.optimizer.begin(params[i], hypers)
             together = [i for i in idx if not compact[i]]
             if together:
-                self.optimizer.update([params[i] for i in together], [grads[i] for i in together], hypers,
-                                      grad_scale=plan.grad_scale)  # fmt: skip
+                wide = [grads[i] for i in together]
+                if plan.clip_value is not None:
+                    torch._foreach_clamp_min_(wide, -plan.clip_value)
+                    torch._foreach_clamp_max_(wide, plan.clip_value)
+                self.optimizer.update([params[i] for i in together], wide, hypers, grad_scale=plan.grad_scale)
             for i in idx:
                 if compact[i]:
                     self._update_compact(params[i], grads[i], hypers, plan)
