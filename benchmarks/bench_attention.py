@@ -29,15 +29,20 @@ from results_csv import append_row, environment
 B, HQ, HKV, D = 2, 32, 8, 128
 
 
+def run_once(fn, backward: bool, leaves: tuple) -> None:
+    """One forward of ``fn``, and its backward; each backward's gradients are new tensors, not added into the last
+    ones (an elementwise add per input that is not attention's work: 0.14 ms of our packed case's 4 ms on the H200,
+    2026-11-30)."""
+    for t in leaves:
+        t.grad = None
+    out = fn()
+    if backward:
+        out.backward(torch.ones_like(out))
+
+
 def timed(fn, backward: bool, leaves: tuple = ()) -> float:
     def step():
-        # each backward's gradients are new tensors, not added into the last ones (an elementwise add per input that
-        # is not attention's work: 0.14 ms of our packed case's 4 ms on the H200, 2026-11-30)
-        for t in leaves:
-            t.grad = None
-        out = fn()
-        if backward:
-            out.backward(torch.ones_like(out))
+        run_once(fn, backward, leaves)
 
     # compile and autotune before do_bench sizes its runs: on a fresh machine (cold Triton and Inductor caches) the
     # first fwd+bwd case measured 1.5x its time in a second run of the same script (2026-11-30)
@@ -133,7 +138,7 @@ def _fa2_varlen(q, k, v, cu, max_len):
         kv = {}
 
     def run():
-        k.grad = v.grad = None  # where repeated, leaves of their own (see timed)
+        k.grad = v.grad = None  # where repeated, leaves of their own (see run_once)
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal, **kv)
 
     return run
@@ -144,10 +149,7 @@ def kernel_ms(fn, leaves: tuple, iters: int = 20) -> dict[str, float]:
     timed(fn, True, leaves)  # compiled and autotuned outside the profile
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(iters):
-            for t in leaves:
-                t.grad = None
-            out = fn()
-            out.backward(torch.ones_like(out))
+            run_once(fn, True, leaves)
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
     for e in profiler.events():
