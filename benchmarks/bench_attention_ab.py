@@ -1,10 +1,10 @@
-"""Two versions of the attention kernels side by side (GPU machine): each ``attention.py`` is loaded as a module of
-its own (it imports only torch and triton), and both run forward + backward on the same tensors, interleaved, three
-times each (the middle time is kept). Cases: causal, bf16, 32/8 heads, D=128, dense B=2 at N=2048 and 8192, B=1 at
+"""Versions of the attention kernels side by side (GPU machine): each ``attention.py`` is loaded as a module of its
+own (it imports only torch and triton), and all run forward + backward on the same tensors, interleaved, three times
+each (the middle time is kept). Cases: causal, bf16, 32/8 heads, D=128, dense B=2 at N=2048 and 8192, B=1 at
 16384, and bench_attention.py's packed batch (16 documents of random lengths in 16k tokens, within-document work
 counted). Appends CSV rows to --out: time, TFLOP/s, the time over the first version's, and the gradients' relative
-difference. ``--set-new NAME=INT`` sets a ``tl.constexpr`` of the new version before it compiles, so one file can be
-run against itself with another threshold.
+difference from the first version's. ``--set-new NAME=INT`` sets a ``tl.constexpr`` of the last version before it
+compiles, so one file can be run against itself with another threshold.
 
     git show main:kernels/attention.py > /tmp/attention_main.py
     python benchmarks/bench_attention_ab.py /tmp/attention_main.py kernels/attention.py --labels main,branch
@@ -55,14 +55,19 @@ def cases(make):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("old")
-    parser.add_argument("new")
-    parser.add_argument("--labels", default="old,new")
+    parser.add_argument("versions", nargs="+", help="attention.py files, the first one the baseline")
+    parser.add_argument("--labels", help="one per version (default: v0,v1,...)")
     parser.add_argument("--set-new", action="append", default=[], metavar="NAME=INT")
     parser.add_argument("--out", default="benchmarks/results/attention_ab.csv")
     args = parser.parse_args()
-    labels = args.labels.split(",")
-    modules = dict(zip(labels, (load("attention_a", args.old, []), load("attention_b", args.new, args.set_new))))
+    paths = args.versions
+    labels = args.labels.split(",") if args.labels else [f"v{i}" for i in range(len(paths))]
+    if len(paths) < 2 or len(labels) != len(paths):
+        raise SystemExit(f"need two or more versions and one label each; got {len(paths)} versions, labels {labels}")
+    modules = {
+        label: load(f"attention_{i}", path, args.set_new if i == len(paths) - 1 else [])
+        for i, (label, path) in enumerate(zip(labels, paths))
+    }
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def make(*shape):
@@ -70,8 +75,13 @@ def main() -> None:
 
     for case, qkv, kwargs, flops in cases(make):
         grad_out = torch.randn_like(qkv[0])
-        a, b = (torch.autograd.grad(m.flash_attention(*qkv, **kwargs), qkv, grad_out) for m in modules.values())
-        diff = max(((y.float() - x.float()).norm() / x.float().norm()).item() for x, y in zip(a, b))
+        grads = {name: torch.autograd.grad(m.flash_attention(*qkv, **kwargs), qkv, grad_out)
+                 for name, m in modules.items()}  # fmt: skip
+        first = grads.pop(labels[0])
+        diff = {labels[0]: 0.0}
+        for name, g in grads.items():
+            diff[name] = max(((y.float() - x.float()).norm() / x.float().norm()).item() for x, y in zip(first, g))
+        del grads, first
         times = {name: [] for name in labels}
         for rep in range(3):
             for name in labels if rep % 2 == 0 else labels[::-1]:
@@ -87,7 +97,8 @@ def main() -> None:
         for name in labels:
             tflops = flops * 3.5 / (ms[name] * 1e-3) / 1e12
             row = {"case": case, "system": name, "pass": "fwd+bwd", "ms": ms[name], "tflops": tflops}
-            append_row(args.out, {**environment(), **row, "vs_first": ms[name] / ms[labels[0]], "grad_rel_diff": diff})
+            row |= {"vs_first": ms[name] / ms[labels[0]], "grad_rel_diff": diff[name]}
+            append_row(args.out, {**environment(), **row})
 
 
 if __name__ == "__main__":

@@ -61,14 +61,17 @@ _ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128
 # and long sequences slower; with 32, side by side against 8, packed documents ran 0.954 x the time and dense ones
 # 0.99-1.01 x (benchmarks/NOTES.md, bench_attention_ab.py --set-new).
 _FLAT_BELOW = tl.constexpr(32)
-_COL_CONFIGS = _configs(((64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32))
+_COL_CONFIGS = _configs(
+    ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32)
+)  # fmt: skip
 
 
 @triton.jit
-def _bounds(cu_seqlens, seq):
-    # the sequence's first token in the packed layout, and its length
-    start = tl.load(cu_seqlens + seq).to(tl.int64)
-    return start, tl.load(cu_seqlens + seq + 1).to(tl.int64) - start
+def _bounds(seqs):
+    # this program's sequence (grid axis 2, longest first): its first token in the packed layout, and its length
+    seq = tl.program_id(2)
+    start = tl.load(seqs + seq).to(tl.int64)
+    return start, tl.load(seqs + tl.num_programs(2) + seq).to(tl.int64)
 
 
 @triton.jit
@@ -88,13 +91,14 @@ def _query_rows(m_start, head0, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _visible(offs_m, offs_n, seqlen, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    # (BLOCK_M, BLOCK_N) mask of the keys each query may attend to
-    ok = (offs_m[:, None] < seqlen) & (offs_n[None, :] < seqlen)
+def _visible(q_pos, k_pos, seqlen, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    # mask of the keys each query may attend to, shaped as q_pos and k_pos broadcast together: (queries, keys) from
+    # offs_m[:, None] and offs_n[None, :], (keys, queries) from offs_m[None, :] and offs_n[:, None]
+    ok = (q_pos < seqlen) & (k_pos < seqlen)
     if CAUSAL:
-        ok = ok & (offs_m[:, None] >= offs_n[None, :])
+        ok = ok & (q_pos >= k_pos)
     if HAS_WINDOW:
-        ok = ok & (offs_m[:, None] - offs_n[None, :] < window)
+        ok = ok & (q_pos - k_pos < window)
     return ok
 
 
@@ -153,7 +157,7 @@ def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt
     k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
-        s = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        s = tl.where(_visible(offs_m[:, None], offs_n[None, :], seqlen, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
     p = tl.exp2(s - m_safe[:, None])
@@ -167,7 +171,7 @@ def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt
 @triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, LSE, cu_seqlens,
+    Q, K, V, Out, LSE, seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale, window, seq_bucket,
     GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -177,8 +181,8 @@ def _fwd_kernel(
     # BLOCK_M // PACK positions, sequence, PACK query heads of a group), the last query blocks (the most work when
     # causal) first
     ROWS: tl.constexpr = BLOCK_M // PACK
-    seq, head0 = tl.program_id(1), tl.program_id(2) * PACK
-    start, seqlen = _bounds(cu_seqlens, seq)
+    head0 = tl.program_id(1) * PACK
+    start, seqlen = _bounds(seqs)
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS
     if m_start >= seqlen:
         return
@@ -235,14 +239,16 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, of
     do = _tile(DO, start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok)
     lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    p = tl.exp2(s - lse[:, None])
+    # transposed scores (BLOCK_N, BLOCK_M): p^T and ds^T come out of their products in the layout the next
+    # products take them in, with no transpose of a computed tile (as Triton's fused-attention tutorial does)
+    s_t = tl.dot(k, tl.trans(q)) * qk_scale
+    p_t = tl.exp2(s_t - lse[None, :])
     if MASKED:
-        p = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), p, 0.0)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-    dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        p_t = tl.where(_visible(offs_m[None, :], offs_n[:, None], seqlen, window, CAUSAL, HAS_WINDOW), p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do)
+    dp_t = tl.dot(v, tl.trans(do))
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q)
     return dk, dv
 
 
@@ -288,7 +294,7 @@ def _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi,
 @triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS", "seq_bucket"])
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, cu_seqlens,
+    Q, K, V, DO, LSE, DELTA, DK, DV, seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     qk_scale, sm_scale, window, seq_bucket,
@@ -298,9 +304,9 @@ def _bwd_dkdv_kernel(
     # one program per (key block, sequence, program head); loops over HEADS query heads and the query blocks.
     # HEADS == GROUP: a program head is a kv head, and its dK/dV is complete. HEADS == 1: a program head is a query
     # head (more programs when there are few key blocks), and DK/DV receive its partial sums, one per query head.
-    seq, pid_h = tl.program_id(1), tl.program_id(2)
+    pid_h = tl.program_id(1)
     kv_head = pid_h * HEADS // GROUP
-    start, seqlen = _bounds(cu_seqlens, seq)
+    start, seqlen = _bounds(seqs)
     n_start = tl.program_id(0) * BLOCK_N
     if n_start >= seqlen:
         return
@@ -344,7 +350,7 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, strid
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.exp2(s - lse[:, None])
     if MASKED:
-        p = tl.where(_visible(offs_m, offs_n, seqlen, window, CAUSAL, HAS_WINDOW), p, 0.0)
+        p = tl.where(_visible(offs_m[:, None], offs_n[None, :], seqlen, window, CAUSAL, HAS_WINDOW), p, 0.0)
     dp = tl.dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k)
@@ -353,7 +359,7 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, strid
 @triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, cu_seqlens,
+    Q, K, V, DO, LSE, DELTA, DQ, seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
     stride_dqt, stride_dqh,
     qk_scale, sm_scale, window, seq_bucket,
@@ -363,8 +369,8 @@ def _bwd_dq_kernel(
     # one program per (query block, sequence, PACK query heads) as in the forward, the most work (last blocks when
     # causal) first
     ROWS: tl.constexpr = BLOCK_M // PACK
-    seq, head0 = tl.program_id(1), tl.program_id(2) * PACK
-    start, seqlen = _bounds(cu_seqlens, seq)
+    head0 = tl.program_id(1) * PACK
+    start, seqlen = _bounds(seqs)
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS
     if m_start >= seqlen:
         return
@@ -403,9 +409,19 @@ def _use_triton(q: Tensor) -> bool:
     return _INTERPRET or (q.is_cuda and TRITON_ON_CUDA and q.dtype != torch.float32)
 
 
-def _grid(blocks_over: int, cu_seqlens: Tensor, heads: int, block: str, pack: int = 1):
+def _grid(blocks_over: int, seqs: Tensor, heads: int, block: str, pack: int = 1):
+    # (blocks, program heads, sequences): the blocks of one head and sequence run together (they share its K/V and
+    # Q rows in L2), and the sequences longest first (_sequences), so the heaviest programs do not start last.
     # pack: query heads per program, whose rows share its block (_query_rows)
-    return lambda meta: (triton.cdiv(blocks_over, meta[block] // pack), cu_seqlens.numel() - 1, heads // pack)
+    return lambda meta: (triton.cdiv(blocks_over, meta[block] // pack), heads // pack, seqs.shape[1])
+
+
+def _sequences(bounds: list[int], device: torch.device) -> Tensor:
+    """(2, B) int32 on ``device``, from the sequences' offsets on the host: their first tokens and their lengths,
+    longest first."""
+    spans = sorted(zip(bounds, bounds[1:]), key=lambda span: span[0] - span[1])  # stable
+    table = torch.tensor([[a for a, _ in spans], [b - a for a, b in spans]], dtype=torch.int32)
+    return table.to(device, non_blocking=True)
 
 
 def _pack(group: int) -> int:
@@ -414,16 +430,18 @@ def _pack(group: int) -> int:
     return group if group & (group - 1) == 0 and group <= PACK_GQA else 1
 
 
-def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, opts: AttentionOptions):
-    """q: (T, Hq, D), k/v: (T, Hkv, D), cu_seqlens: (B+1,) int32. Returns o (T, Hq, D) and lse (Hq, T) (log2)."""
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seqs: Tensor,
+                            opts: AttentionOptions):  # fmt: skip
+    """q: (T, Hq, D), k/v: (T, Hkv, D), cu_seqlens: (B+1,) int32, seqs: ``_sequences``' table of them. Returns
+    o (T, Hq, D) and lse (Hq, T) (log2)."""
     if not _use_triton(q):
         return _forward_torch(q, k, v, cu_seqlens, opts)
     t, hq, d = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(hq, t, dtype=torch.float32, device=q.device)
     pack = _pack(hq // k.shape[1])
-    _fwd_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M", pack)](
-        q, k, v, o, lse, cu_seqlens,
+    _fwd_kernel[_grid(opts.max_seqlen, seqs, hq, "BLOCK_M", pack)](
+        q, k, v, o, lse, seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         lse.stride(0), opts.softmax_scale * _LOG2E, opts.window or 0, _seq_bucket(opts.max_seqlen),
         GROUP=hq // k.shape[1], PACK=pack, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d,
@@ -431,7 +449,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
     return o, lse
 
 
-def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOptions):
+def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, seqs, opts: AttentionOptions):
     """Gradients (dq, dk, dv) of the forward above, in the inputs' dtype."""
     if not _use_triton(q):
         return _backward_torch(q, k, v, do, cu_seqlens, opts)
@@ -454,15 +472,15 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, opts: AttentionOpt
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                do.stride(1), lse.stride(0))  # fmt: skip
     scales = (opts.softmax_scale * _LOG2E, opts.softmax_scale, opts.window or 0, _seq_bucket(opts.max_seqlen))
-    _bwd_dkdv_kernel[_grid(opts.max_seqlen, cu_seqlens, hq if split else hkv, "BLOCK_N")](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
+    _bwd_dkdv_kernel[_grid(opts.max_seqlen, seqs, hq if split else hkv, "BLOCK_N")](
+        q, k, v, do, lse, delta, dk, dv, seqs, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), *scales, HEADS=1 if split else group, **common,
     )  # fmt: skip
     if split:
         dk, dv = (x.view(t, hkv, group, d).sum(2).to(k.dtype) for x in (dk, dv))
     pack = _pack(group)
-    _bwd_dq_kernel[_grid(opts.max_seqlen, cu_seqlens, hq, "BLOCK_M", pack)](
-        q, k, v, do, lse, delta, dq, cu_seqlens, *strides, dq.stride(0), dq.stride(1), *scales, PACK=pack, **common
+    _bwd_dq_kernel[_grid(opts.max_seqlen, seqs, hq, "BLOCK_M", pack)](
+        q, k, v, do, lse, delta, dq, seqs, *strides, dq.stride(0), dq.stride(1), *scales, PACK=pack, **common
     )
     return dq, dk, dv
 
@@ -522,17 +540,17 @@ def _mask(n: int, opts: AttentionOptions, device: torch.device) -> Tensor | None
 
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, opts: AttentionOptions):
-        o, lse = flash_attention_forward(q, k, v, cu_seqlens, opts)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    def forward(ctx, q, k, v, cu_seqlens, seqs, opts: AttentionOptions):
+        o, lse = flash_attention_forward(q, k, v, cu_seqlens, seqs, opts)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, seqs)
         ctx.opts = opts
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do.contiguous(), cu_seqlens, ctx.opts)
-        return dq, dk, dv, None, None
+        q, k, v, o, lse, cu_seqlens, seqs = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do.contiguous(), cu_seqlens, seqs, ctx.opts)
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention(
@@ -565,7 +583,7 @@ def flash_attention(
     packed = cu_seqlens is not None
     _check(q, k, v, packed, cu_seqlens, causal, window)
     if packed:
-        longest = _longest(cu_seqlens, q.shape[0])
+        longest, seqs = _offsets(cu_seqlens, q.shape[0])
         if max_seqlen is None:
             max_seqlen = longest
         elif max_seqlen < longest:
@@ -578,10 +596,11 @@ def flash_attention(
         b, s = q.shape[:2]
         flat = tuple(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
         cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        seqs = _sequences(list(range(0, (b + 1) * s, s)), q.device)
         max_seqlen = s
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     opts = AttentionOptions(causal, float(scale), window, int(max_seqlen))
-    out = FlashAttentionFunction.apply(*(t.contiguous() for t in flat), cu_seqlens.contiguous(), opts)
+    out = FlashAttentionFunction.apply(*(t.contiguous() for t in flat), cu_seqlens.contiguous(), seqs, opts)
     return out if packed else out.view(q.shape)
 
 
@@ -642,14 +661,16 @@ def _check(q, k, v, packed, cu_seqlens, causal, window) -> None:
 
 
 # Reading cu_seqlens on the host synchronizes with the GPU; every layer of a step, and its recompute, gets the same
-# tensor. So the check and the longest sequence are kept for the few most recent tensors, keyed by the tensor object
-# and its version counter; each entry holds its tensor, so the key cannot come back for another one. (A key of the
-# memory address could: a new batch's offsets are often allocated where the last batch's were, and went unchecked.)
-_OFFSETS: OrderedDict[tuple, tuple[Tensor, int]] = OrderedDict()
+# tensor. So the check, the longest sequence and the kernels' table of the sequences are kept for the few most recent
+# tensors, keyed by the tensor object and its version counter; each entry holds its tensor, so the key cannot come back
+# for another one. (A key of the memory address could: a new batch's offsets are often allocated where the last
+# batch's were, and went unchecked.)
+_OFFSETS: OrderedDict[tuple, tuple[Tensor, int, Tensor]] = OrderedDict()
 
 
-def _longest(cu_seqlens: Tensor, total: int) -> int:
-    """Check that ``cu_seqlens`` are offsets into ``total`` tokens and return the longest sequence's length."""
+def _offsets(cu_seqlens: Tensor, total: int) -> tuple[int, Tensor]:
+    """Check that ``cu_seqlens`` are offsets into ``total`` tokens; return the longest sequence's length and the
+    kernels' table of the sequences (``_sequences``)."""
     key = (id(cu_seqlens), cu_seqlens._version, total)
     if key not in _OFFSETS:
         values = cu_seqlens.tolist()
@@ -658,7 +679,8 @@ def _longest(cu_seqlens: Tensor, total: int) -> int:
                 f"cu_seqlens must start at 0, never decrease and end at the token count {total}; got {values[:8]}"
                 f"{'...' if len(values) > 8 else ''}."
             )
-        _OFFSETS[key] = (cu_seqlens, max(b - a for a, b in zip(values, values[1:])))
+        longest = max(b - a for a, b in zip(values, values[1:]))
+        _OFFSETS[key] = (cu_seqlens, longest, _sequences(values, cu_seqlens.device))
         while len(_OFFSETS) > 8:
             _OFFSETS.popitem(last=False)
-    return _OFFSETS[key][1]
+    return _OFFSETS[key][1:]
