@@ -79,8 +79,8 @@ def main() -> None:
                  for name, m in modules.items()}  # fmt: skip
         first = grads.pop(labels[0])
         diff = {labels[0]: 0.0}
-        for name, g in grads.items():
-            diff[name] = max(((y.float() - x.float()).norm() / x.float().norm()).item() for x, y in zip(first, g))
+        for name, other in grads.items():
+            diff[name] = max(((y.float() - x.float()).norm() / x.float().norm()).item() for x, y in zip(first, other))
         del grads, first
         times = {name: [] for name in labels}
         for rep in range(3):

@@ -8,10 +8,14 @@ sequence boundaries every S tokens, so the dense and packed cases share one code
         s = q k^T * scale;  online softmax over key blocks: m = running max, l = running sum of exp(s - m)
         o = sum_j softmax(s)_j v_j;  lse = m + log(l)   (kept for backward)
     backward: delta = rowsum(dO * O);  p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p (dp - delta)
-              dq = ds k * scale (per query block);  dk = ds^T q * scale (per key block, summed over the group's
+              dq = ds k * scale (per query block; this kernel runs first and writes its rows' delta);
+              dk = ds^T q * scale (per key block, from the transposed scores s^T = k q^T, summed over the group's
               query heads in one program, so GQA needs no atomics; where few query blocks see the key block, the
               group's heads share one loop; when there are too few programs to fill the GPU, one program per query
               head writes fp32 partial sums that are added up afterwards, as FlashAttention-2 does for GQA)
+
+Every kernel's grid is (blocks, heads, sequences) with the sequences longest first (``_sequences``), so the longest
+documents' programs, the heaviest, start first.
 
 Masks: key j is visible to query i (positions within one sequence) iff j < len, and with ``causal`` j <= i, and
 with ``window`` W also i - W < j (Hugging Face's sliding-window convention). Nothing crosses sequences.
@@ -216,19 +220,6 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _delta_kernel(OUT, DO, DELTA, n_rows, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
-                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # delta[h, t] = sum_d dO[t, h, d] * O[t, h, d], in fp32; one program per (row block, head)
-    head = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = rows < n_rows
-    offs_d = tl.arange(0, HEAD_DIM)
-    o = _tile(OUT, 0, rows, head, stride_ot, stride_oh, offs_d, ok).to(tl.float32)
-    do = _tile(DO, 0, rows, head, stride_dot, stride_doh, offs_d, ok).to(tl.float32)
-    tl.store(DELTA + head * stride_lh + rows, tl.sum(o * do, 1), mask=ok)
-
-
-@triton.jit
 def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen, window, qk_scale,
                stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
@@ -361,13 +352,14 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, strid
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lh,
-    stride_dqt, stride_dqh,
+    stride_dqt, stride_dqh, OUT, stride_ot, stride_oh,
     qk_scale, sm_scale, window, seq_bucket,
     GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # one program per (query block, sequence, PACK query heads) as in the forward, the most work (last blocks when
-    # causal) first
+    # causal) first. It also computes its rows' delta = rowsum(dO * O) and stores it for the dK/dV kernel, which runs
+    # after it
     ROWS: tl.constexpr = BLOCK_M // PACK
     head0 = tl.program_id(1) * PACK
     start, seqlen = _bounds(seqs)
@@ -381,7 +373,9 @@ def _bwd_dq_kernel(
     q = _tile(Q, start, offs_m, heads, stride_qt, stride_qh, offs_d, row_ok)
     do = _tile(DO, start, offs_m, heads, stride_dot, stride_doh, offs_d, row_ok)
     lse = tl.load(LSE + heads * stride_lh + start + offs_m, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + heads * stride_lh + start + offs_m, mask=row_ok, other=0.0)
+    o = _tile(OUT, start, offs_m, heads, stride_ot, stride_oh, offs_d, row_ok)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + heads * stride_lh + start + offs_m, delta, mask=row_ok)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, ROWS, BLOCK_N, CAUSAL, HAS_WINDOW)
     for n_start in range(lo, full_lo, BLOCK_N):
@@ -455,11 +449,7 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, seqs, opts: Attent
         return _backward_torch(q, k, v, do, cu_seqlens, opts)
     hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
     t = q.shape[0]
-    delta = torch.empty_like(lse)  # (Hq, T)
-    block = 64
-    _delta_kernel[(triton.cdiv(t, block), hq)](
-        o, do, delta, t, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0), HEAD_DIM=d, BLOCK=block
-    )  # fmt: skip
+    delta = torch.empty_like(lse)  # (Hq, T): rowsum(dO * O), written by the dQ kernel, read by dK/dV
     group = hq // hkv
     dq = torch.empty_like(q)
     programs = triton.cdiv(opts.max_seqlen, 128) * (cu_seqlens.numel() - 1) * hkv
@@ -472,16 +462,17 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, seqs, opts: Attent
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                do.stride(1), lse.stride(0))  # fmt: skip
     scales = (opts.softmax_scale * _LOG2E, opts.softmax_scale, opts.window or 0, _seq_bucket(opts.max_seqlen))
+    pack = _pack(group)
+    _bwd_dq_kernel[_grid(opts.max_seqlen, seqs, hq, "BLOCK_M", pack)](
+        q, k, v, do, lse, delta, dq, seqs, *strides, dq.stride(0), dq.stride(1), o, o.stride(0), o.stride(1), *scales,
+        PACK=pack, **common,
+    )  # fmt: skip
     _bwd_dkdv_kernel[_grid(opts.max_seqlen, seqs, hq if split else hkv, "BLOCK_N")](
         q, k, v, do, lse, delta, dk, dv, seqs, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), *scales, HEADS=1 if split else group, **common,
     )  # fmt: skip
     if split:
         dk, dv = (x.view(t, hkv, group, d).sum(2).to(k.dtype) for x in (dk, dv))
-    pack = _pack(group)
-    _bwd_dq_kernel[_grid(opts.max_seqlen, seqs, hq, "BLOCK_M", pack)](
-        q, k, v, do, lse, delta, dq, seqs, *strides, dq.stride(0), dq.stride(1), *scales, PACK=pack, **common
-    )
     return dq, dk, dv
 
 
