@@ -27,6 +27,7 @@ readable reference.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections import OrderedDict
@@ -418,6 +419,14 @@ def _sequences(bounds: list[int], device: torch.device) -> Tensor:
     return table.to(device, non_blocking=True)
 
 
+@functools.lru_cache(maxsize=8)
+def _dense_offsets(b: int, s: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cu_seqlens and the kernels' table (``_sequences``) of a dense batch of ``b`` sequences of ``s`` tokens, made
+    once per shape and device: every layer of every step asks for the same ones (the kernels only read them)."""
+    return (torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device),
+            _sequences(list(range(0, (b + 1) * s, s)), device))  # fmt: skip
+
+
 def _pack(group: int) -> int:
     """Query heads per forward and dQ program: the whole group where it is a power of two of at most PACK_GQA, else
     1."""
@@ -586,8 +595,7 @@ def flash_attention(
     else:
         b, s = q.shape[:2]
         flat = tuple(t.reshape(b * s, *t.shape[2:]) for t in (q, k, v))
-        cu_seqlens = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
-        seqs = _sequences(list(range(0, (b + 1) * s, s)), q.device)
+        cu_seqlens, seqs = _dense_offsets(b, s, q.device)
         max_seqlen = s
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     opts = AttentionOptions(causal, float(scale), window, int(max_seqlen))
