@@ -50,17 +50,37 @@ PACK_GQA = 8
 _LOG2E = 1.4426950408889634
 
 
-def _configs(shapes, interpreted: tuple[int, int]) -> list[triton.Config]:
+def _configs(shapes, interpreted: tuple[int, int] | None = None) -> list[triton.Config]:
     # NOTE: one config when interpreting: multi-config autotuning fails under TRITON_INTERPRET=1. Its blocks are
     # unequal, as on the GPU, so the CPU tests walk the block-range arithmetic the GPU uses.
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": interpreted[0], "BLOCK_N": interpreted[1]}, num_warps=4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+        return [triton.Config(dict(zip(("BLOCK_M", "BLOCK_N"), interpreted)), num_warps=4)] if interpreted else []
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, maxnreg=regs[0] if regs else None)
+            for m, n, w, s, *regs in shapes]  # fmt: skip
 
 
-# (BLOCK_M, BLOCK_N, warps, stages). Forward and dQ walk key blocks for a query block; dK/dV walks query blocks
-# for a key block, so it favours wide key blocks (as FlashAttention-2's Triton tutorial does).
+# Short sequences (packed documents) favour configs that fit two programs on a multiprocessor, so that one program's
+# first loads and last stores overlap the other's products: 8 warps capped at 128 registers (a few spills) for the
+# forward and dQ, 4 warps for dK/dV. They are tried only where the longest sequence is at most _SHORT tokens: timed
+# alone per kernel, as the autotuner does, they were picked at 8k and 16k tokens too, where the whole fwd+bwd then
+# took 1.04 x and 1.01 x the time (H200, benchmarks/NOTES.md, session 20).
+_SHORT = 4096
+
+
+def _autotune(long: list[triton.Config], short: list[triton.Config], key: list[str]):
+    """``triton.autotune`` over ``long + short``, the ``short`` configs tried only for short sequences."""
+    return triton.autotune(configs=long + short, key=key, prune_configs_by={"early_config_prune": _for_length(long)})
+
+
+def _for_length(long: list[triton.Config]):
+    # early_config_prune: all the configs where the longest sequence (its power-of-two bucket) is at most _SHORT
+    return lambda configs, named_args, **kwargs: configs if named_args["seq_bucket"] <= _SHORT else long
+
+
+# (BLOCK_M, BLOCK_N, warps, stages[, registers per thread at most]). Forward and dQ walk key blocks for a query block;
+# dK/dV walks query blocks for a key block, so it favours wide key blocks (as FlashAttention-2's Triton tutorial does).
 _ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)), (32, 16))
+_ROW_SHORT = _configs(((128, 64, 8, 2, 128), (128, 32, 8, 3, 128)))
 # dK/dV: a program whose key block fewer query blocks than this see runs its group's query heads in one loop, with
 # one pipeline fill instead of one per head. On an H200 one loop in every program made short packed documents faster
 # and long sequences slower; with 32, side by side against 8, packed documents ran 0.954 x the time and dense ones
@@ -69,6 +89,7 @@ _FLAT_BELOW = tl.constexpr(32)
 _COL_CONFIGS = _configs(
     ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32)
 )  # fmt: skip
+_COL_SHORT = _configs(((64, 64, 4, 2),))
 
 
 @triton.jit
@@ -173,7 +194,7 @@ def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
+@_autotune(_ROW_CONFIGS, _ROW_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Out, LSE, seqs,
@@ -283,7 +304,7 @@ def _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi,
     return dk, dv
 
 
-@triton.autotune(configs=_COL_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS", "seq_bucket"])
+@_autotune(_COL_CONFIGS, _COL_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS", "seq_bucket"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, seqs,
@@ -348,7 +369,7 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, strid
     return dq + tl.dot(ds.to(k.dtype), k)
 
 
-@triton.autotune(configs=_ROW_CONFIGS, key=["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
+@_autotune(_ROW_CONFIGS, _ROW_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, seqs,

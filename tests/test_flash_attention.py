@@ -104,6 +104,16 @@ def test_programs_take_the_longest_sequences_first():
     assert table.tolist() == [[0, 135, 90, 70, 90], [70, 70, 45, 20, 0]]
 
 
+def test_short_sequence_configs_are_tried_only_for_short_sequences():
+    # the configs that fit two programs on a multiprocessor won for short sequences and, picked by the autotuner
+    # at 8k and 16k tokens too, made those slower (H200); so the autotuner sees them only up to fa._SHORT tokens
+    long, short = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})], [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32})]
+    prune = fa._for_length(long)
+    assert prune(long + short, {"seq_bucket": fa._SHORT}) == long + short
+    assert prune(long + short, {"seq_bucket": 2 * fa._SHORT}) == long
+    for kernel in (fa._fwd_kernel, fa._bwd_dq_kernel, fa._bwd_dkdv_kernel):
+        assert kernel.early_config_prune is not None
+
 def test_module_form_and_scale(path):
     q, k, v = (t.float() for t in _qkv(False, 32))
     out = FlashAttention(causal=False, softmax_scale=0.3)(q, k, v)
