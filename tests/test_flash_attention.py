@@ -114,6 +114,7 @@ def test_short_sequence_configs_are_tried_only_for_short_sequences():
     for kernel in (fa._fwd_kernel, fa._bwd_dq_kernel, fa._bwd_dkdv_kernel):
         assert kernel.early_config_prune is not None
 
+
 def test_module_form_and_scale(path):
     q, k, v = (t.float() for t in _qkv(False, 32))
     out = FlashAttention(causal=False, softmax_scale=0.3)(q, k, v)
