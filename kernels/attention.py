@@ -444,8 +444,8 @@ def _sequences(bounds: list[int], device: torch.device) -> Tensor:
 def _dense_offsets(b: int, s: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """cu_seqlens and the kernels' table (``_sequences``) of a dense batch of ``b`` sequences of ``s`` tokens, made
     once per shape and device: every layer of every step asks for the same ones (the kernels only read them)."""
-    return (torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=device),
-            _sequences(list(range(0, (b + 1) * s, s)), device))  # fmt: skip
+    bounds = list(range(0, (b + 1) * s, s))
+    return torch.tensor(bounds, dtype=torch.int32, device=device), _sequences(bounds, device)
 
 
 def _pack(group: int) -> int:
