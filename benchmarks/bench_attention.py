@@ -186,7 +186,6 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="only: GPU time per kernel, packed vs dense (ours)")
     parser.add_argument("--kernels-out", default="benchmarks/results/attention_kernels.csv")
     args = parser.parse_args()
-    attention.TRITON_ON_CUDA = True
     warm_up()
     g = torch.Generator(device="cuda").manual_seed(0)
 

@@ -33,7 +33,6 @@ def load(name: str, path: str, constants: list[str]):
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    module.TRITON_ON_CUDA = True
     for item in constants:
         key, value = item.split("=")
         if not isinstance(getattr(module, key, None), tl.constexpr):

@@ -20,8 +20,8 @@ way, and the CPU worker's idle gaps in that step against the training thread's f
 rows to --out.
 
     python benchmarks/bench_core.py --out benchmarks/results/core.csv
-    python benchmarks/bench_core.py --systems a --engine-set SPLIT_EMBEDDING_UPDATE=False   # (a) with a choice forced
-    python benchmarks/bench_core.py --systems a --engine-set rows.PASS_NUMEL=8388608        # ... of engine/rows.py
+    python benchmarks/bench_core.py --systems a --engine split_embedding_update=False   # (a) with an EngineConfig field
+    python benchmarks/bench_core.py --systems a --engine rows_pass_numel=8388608
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def run_slideformer(
     cap_gib: float,
     threads,
     trace_dir: str | None = None,
+    config=None,
 ):
     import lightning as L
     from torch.utils.data import DataLoader
@@ -178,12 +179,12 @@ def run_slideformer(
             times.append(time.perf_counter())
             timeline.append(
                 (engine.worker.busy_s, engine.worker.wait_s, engine.stats.wait_update_s, engine.stats.wait_send_s,
-                 engine.stats.upload_bytes, engine.router.download_bytes)
+                 engine.stats.upload_bytes, engine.sender.download_bytes)
             )  # fmt: skip
 
     start_measure()
     trainer = L.Trainer(
-        strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads, update_schedule=schedule),
+        strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads, update_schedule=schedule, engine=config),
         precision="bf16-mixed",
         max_steps=warmup + steps + 1,
         gradient_clip_val=None if schedule == "backward" else 1.0,
@@ -435,31 +436,22 @@ def run_floor_with_copies(layers: int, threads: int, up_gb: float, down_gb: floa
             f"adam_alone={median['adam']:.3f}s copies_alone={median['copies']:.3f}s"}  # fmt: skip
 
 
-def set_engine_constants(items: list[str]) -> str:
-    """Set ``NAME=VALUE`` constants of the engine module, or ``MODULE.NAME=VALUE`` of another module of
-    ``lightning_slide.engine`` (VALUE: True, False, "auto", an int or a float, as the constant's current type);
-    returns a suffix for the system's name (empty without settings)."""
-    import importlib
+def engine_config(items: list[str]):
+    """An ``EngineConfig`` with ``FIELD=VALUE`` settings (VALUE: True, False, auto, or an int), and a suffix for the
+    system's name (empty without settings)."""
+    import dataclasses
 
+    from lightning_slide.engine import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    values = {}
     for item in items:
-        path, _, text = item.partition("=")
-        where, _, name = path.rpartition(".")
-        module_name = f"lightning_slide.engine.{where or 'engine'}"
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            raise SystemExit(f"--engine-set {item}: there is no module {module_name}") from None
-        current = getattr(module, name, None)
-        if current is None or not name.isupper():
-            raise SystemExit(f"--engine-set {item}: {module_name} has no constant {name}")
-        value = {"True": True, "False": False}.get(text, text)
-        if isinstance(current, bool) or current == "auto":
-            if value not in (True, False, "auto"):
-                raise SystemExit(f"--engine-set {item}: {name} takes True, False or auto")
-        else:
-            value = type(current)(text)
-        setattr(module, name, value)
-    return "".join(f"[{item}]" for item in items)
+        name, _, text = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--engine {item}: EngineConfig has no field {name} (fields: {', '.join(sorted(fields))})")
+        values[name] = {"True": True, "False": False, "auto": "auto"}.get(text) if text in ("True", "False", "auto") \
+            else int(text)  # fmt: skip
+    return EngineConfig(**values), "".join(f"[{item}]" for item in items)
 
 
 def main() -> None:
@@ -484,12 +476,11 @@ def main() -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/core.csv")
     parser.add_argument("--trace-dir", default=None, help="(a), (b): write a profiled step's trace here")
-    parser.add_argument("--engine-set", action="append", default=[], metavar="NAME=VALUE",
-                        help="(a): set a constant of lightning_slide.engine.engine first (e.g."
-                             " SPLIT_EMBEDDING_UPDATE=False), or of another engine module (rows.PASS_NUMEL=8388608),"
-                             " to compare a choice side by side")  # fmt: skip
+    parser.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
+                        help="(a): a field of lightning_slide.engine.EngineConfig (e.g. split_embedding_update=False,"
+                             " rows_pass_numel=8388608), to compare a choice side by side")  # fmt: skip
     args = parser.parse_args()
-    engine_settings = set_engine_constants(args.engine_set)
+    config, engine_settings = engine_config(args.engine)
     global IDS
     IDS = args.ids
 
@@ -540,7 +531,7 @@ def main() -> None:
         for schedule in args.schedules.split(","):
             for tokens in token_counts:
                 record(system, schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
-                       args.gpu_cap_gib, args.cpu_threads, args.trace_dir)  # fmt: skip
+                       args.gpu_cap_gib, args.cpu_threads, args.trace_dir, config)  # fmt: skip
         del module
         torch.set_num_threads(default_threads)
     for tokens in token_counts:

@@ -21,7 +21,6 @@ from lightning_slide.kernels import fused_linear_cross_entropy
 from results_csv import append_row, environment
 
 GIB = 2**30
-ONE_PASS_MIN_TOKENS = flce.ONE_PASS_MIN_TOKENS
 
 
 def eager(h, w, t):
@@ -29,7 +28,7 @@ def eager(h, w, t):
 
 
 def systems():
-    # ours as the loss runs it (one pass from flce.ONE_PASS_MIN_TOKENS tokens), and with two passes at every size
+    # ours as the loss runs it (one pass from Tuning.one_pass_min_tokens tokens), and with two passes at every size
     out = {"ours_triton": ("triton", fused_linear_cross_entropy), "ours_torch": ("torch", fused_linear_cross_entropy),
            "ours_triton_two_pass": ("triton two-pass", fused_linear_cross_entropy),
            "torch_eager": (None, eager), "torch_compile": (None, torch.compile(eager))}  # fmt: skip
@@ -83,11 +82,14 @@ def main() -> None:
         ref_grads = torch.autograd.grad(eager(hf, wf, t), (hf, wf))
         del hf, wf
         for name, (path, fn) in todo.items():
+            changes = {}
             if path is not None:
-                flce.TRITON_ON_CUDA = path.startswith("triton")
-                flce.ONE_PASS_MIN_TOKENS = 1 << 62 if path.endswith("two-pass") else ONE_PASS_MIN_TOKENS
+                changes["triton"] = path.startswith("triton")
+                if path.endswith("two-pass"):
+                    changes["one_pass_min_tokens"] = 1 << 62
             try:
-                ms, peak, (err_dx, err_dw) = measure(fn, h, w, t, ref_grads)
+                with flce.tuning(**changes):
+                    ms, peak, (err_dx, err_dw) = measure(fn, h, w, t, ref_grads)
                 note = ""
             except Exception as err:  # keep the others; say what failed
                 ms = peak = err_dx = err_dw = float("nan")

@@ -53,10 +53,11 @@ def main() -> None:
     for tensor in optimizer.state_like(weight).values():  # the masters and moments, with valid values
         tensor.uniform_(0.1, 1.0)
     index = torch.unique(torch.randint(0, args.vocab, (args.tokens,)))
-    split = rows.RowSplit(weight, index, CHUNK_NUMEL, scratch={})
-    grads = torch.randn(split.rows_per_chunk, args.hidden)
+    # one split per pass size, each with its scratch buffers kept across rounds (as the engine keeps them)
+    splits = {n: rows.RowSplit(weight, index, CHUNK_NUMEL, n, {}, on_device=False) for n in sizes}
+    grads = torch.randn(splits[sizes[0]].rows_per_chunk, args.hidden)
 
-    def one_step() -> float:
+    def one_step(split: rows.RowSplit) -> float:
         start = time.perf_counter()
         for lo in range(0, len(index), split.rows_per_chunk):
             hi = min(len(index), lo + split.rows_per_chunk)
@@ -66,8 +67,7 @@ def main() -> None:
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(args.repeats + 1):  # the first round warms up
         for n in sizes if rep % 2 == 0 else sizes[::-1]:
-            rows.PASS_NUMEL = n
-            elapsed = one_step()
+            elapsed = one_step(splits[n])
             if rep:
                 times[n].append(elapsed)
     first = statistics.median(times[sizes[0]])

@@ -31,7 +31,9 @@ import functools
 import math
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -39,14 +41,40 @@ import triton.language as tl
 from torch import Tensor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# bf16/fp16 CUDA tensors take the Triton kernels (verified on an H200: tests/test_flash_attention.py,
-# bench_attention.py); False sends them to the torch path (per-sequence SDPA). fp32 on CUDA always takes the torch
-# path: Triton would compute its products in TF32, and exact fp32 tiles take minutes to compile.
-TRITON_ON_CUDA = True
 HEAD_DIMS = (16, 32, 64, 128, 256)
-# The forward and dQ kernels run a GQA group's query heads in one program (_query_rows) for groups up to this size
-# (a power of two, at most the smallest BLOCK_M of the configs, 32); 1: one program per query head.
-PACK_GQA = 8
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the attention runs; benchmarks and tests change it with :func:`tuning`.
+
+    Args:
+        triton: the Triton kernels (``True``) or the torch path, per-sequence SDPA (``False``); ``None``: Triton for
+            bf16/fp16 on CUDA (and on the CPU under ``TRITON_INTERPRET=1``). fp32 on CUDA takes the torch path:
+            Triton would compute its products in TF32, and exact fp32 tiles take minutes to compile.
+        pack_gqa: the forward and dQ kernels run a GQA group's query heads in one program (``_query_rows``) for
+            groups of up to this many (a power of two, at most the smallest BLOCK_M of the configs, 32); 1: one
+            program per query head.
+    """
+
+    triton: bool | None = None
+    pack_gqa: int = 8
+
+
+_tuning = Tuning()
+
+
+@contextmanager
+def tuning(**changes) -> Iterator[Tuning]:
+    """Within, the attention runs as ``Tuning(**changes)`` says (the other fields as before)."""
+    global _tuning
+    before, _tuning = _tuning, replace(_tuning, **changes)
+    try:
+        yield _tuning
+    finally:
+        _tuning = before
+
+
 _LOG2E = 1.4426950408889634
 
 
@@ -61,9 +89,9 @@ def _configs(shapes, interpreted: tuple[int, int] | None = None) -> list[triton.
 
 # Short sequences (packed documents) favour configs that fit two programs on a multiprocessor, so that one program's
 # first loads and last stores overlap the other's products: 8 warps capped at 128 registers (a few spills) for the
-# forward and dQ, 4 warps for dK/dV. They are tried only where the longest sequence is at most _SHORT tokens: timed
-# alone per kernel, as the autotuner does, they were picked at 8k and 16k tokens too, where the whole fwd+bwd then
-# took 1.04 x and 1.01 x the time (H200, benchmarks/NOTES.md, session 20).
+# forward and dQ, 4 warps for dK/dV. They are tried only where the longest sequence is at most _SHORT tokens: the
+# autotuner, timing each kernel alone, picked them for long sequences too, where the whole fwd+bwd was slower
+# (benchmarks/NOTES.md, session 20).
 _SHORT = 4096
 
 
@@ -82,9 +110,8 @@ def _for_length(long: list[triton.Config]):
 _ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)), (32, 16))
 _ROW_SHORT = _configs(((128, 64, 8, 2, 128), (128, 32, 8, 3, 128)))
 # dK/dV: a program whose key block fewer query blocks than this see runs its group's query heads in one loop, with
-# one pipeline fill instead of one per head. On an H200 one loop in every program made short packed documents faster
-# and long sequences slower; with 32, side by side against 8, packed documents ran 0.954 x the time and dense ones
-# 0.99-1.01 x (benchmarks/NOTES.md, bench_attention_ab.py --set-new).
+# one pipeline fill instead of one per head: faster for short packed documents, slower for long sequences
+# (benchmarks/NOTES.md, the threshold's A/B).
 _FLAT_BELOW = tl.constexpr(32)
 _COL_CONFIGS = _configs(
     ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32)
@@ -422,7 +449,9 @@ class AttentionOptions:
 
 
 def _use_triton(q: Tensor) -> bool:
-    return _INTERPRET or (q.is_cuda and TRITON_ON_CUDA and q.dtype != torch.float32)
+    if _tuning.triton is not None:
+        return _tuning.triton
+    return _INTERPRET or (q.is_cuda and q.dtype != torch.float32)
 
 
 def _grid(blocks_over: int, seqs: Tensor, heads: int, block: str, pack: int = 1):
@@ -449,9 +478,9 @@ def _dense_offsets(b: int, s: int, device: torch.device) -> tuple[Tensor, Tensor
 
 
 def _pack(group: int) -> int:
-    """Query heads per forward and dQ program: the whole group where it is a power of two of at most PACK_GQA, else
-    1."""
-    return group if group & (group - 1) == 0 and group <= PACK_GQA else 1
+    """Query heads per forward and dQ program: the whole group where it is a power of two of at most
+    ``Tuning.pack_gqa``, else 1."""
+    return group if group & (group - 1) == 0 and group <= _tuning.pack_gqa else 1
 
 
 def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seqs: Tensor,

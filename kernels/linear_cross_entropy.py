@@ -2,7 +2,7 @@
 
 Two ways to walk the (tokens x vocabulary) matrix, both rounding each gradient once, as plain PyTorch does:
 
-- **Two passes, vocabulary chunks** (fewer tokens than ``ONE_PASS_MIN_TOKENS``, no gradient wanted, or no room
+- **Two passes, vocabulary chunks** (fewer tokens than ``Tuning.one_pass_min_tokens``, no gradient wanted, or no room
   on the GPU for the one pass; ``one_pass=`` forces either). Pass 1
   (forward) computes each chunk's logits with one matmul and folds them into a running log-sum-exp per token
   (``_lse_kernel``). Pass 2 (backward) recomputes each chunk's logits, turns them into their gradient in place
@@ -33,7 +33,9 @@ Layering (as Liger-Kernel's): Triton kernels -> launchers ``flce_forward`` / ``f
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,19 +44,46 @@ import triton.language as tl
 from torch import Tensor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# CUDA tensors take the Triton kernels (verified on an H200: tests/test_linear_cross_entropy.py, bench_flce.py);
-# False sends them to the torch path.
-TRITON_ON_CUDA = True
-_CHUNK_ELEMENTS = 1 << 25  # logits per vocabulary chunk (N x Vc), 64 MiB in bf16 ...
-# ... but at least this many vocabulary columns: every chunk reads and writes the fp32 hidden gradient (N x H) once,
-# which at 32k tokens in chunks of 1024 columns cost ~0.02 s more than the matmuls of wider chunks (bench_core trace)
-_MIN_CHUNK_COLS = 4096
-# From this many tokens the loss takes one pass (module docstring): at 32k tokens and a 128k vocabulary the
-# recompute's matmul cost ~0.05 s per step; below, the fp32 weight gradient (2 GiB for that head) would weigh more
-# than the time saved (the Core issue's 8k-token step must stay within 7 GiB of GPU memory).
-ONE_PASS_MIN_TOKENS = 16384
-_ONE_PASS_CHUNK_ELEMENTS = 1 << 29  # logits per token chunk (n x V) of the one-pass walk, 1 GiB in bf16 ...
-_MIN_CHUNK_ROWS = 128  # ... but at least this many tokens (whole tiles for the matmuls)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the loss walks the (tokens x vocabulary) matrix; benchmarks and tests change it with :func:`tuning`.
+
+    Args:
+        triton: the Triton kernels (``True``) or the same algorithm in torch ops (``False``); ``None``: Triton on CUDA
+            (and on the CPU under ``TRITON_INTERPRET=1``).
+        chunk_elements: logits per vocabulary chunk (N x Vc) of the two-pass walk, 64 MiB in bf16 ...
+        min_chunk_cols: ... but at least this many vocabulary columns: every chunk reads and writes the fp32 hidden
+            gradient (N x H) once.
+        one_pass_min_tokens: from this many tokens the loss takes one pass (module docstring): at 32k tokens and a
+            128k vocabulary the recompute costs more than the fp32 weight gradient; below, less.
+        one_pass_chunk_elements: logits per token chunk (n x V) of the one-pass walk, 1 GiB in bf16 ...
+        min_chunk_rows: ... but at least this many tokens (whole tiles for the matmuls).
+    """
+
+    triton: bool | None = None
+    chunk_elements: int = 1 << 25
+    min_chunk_cols: int = 4096
+    one_pass_min_tokens: int = 16384
+    one_pass_chunk_elements: int = 1 << 29
+    min_chunk_rows: int = 128
+
+
+_tuning = Tuning()
+
+
+@contextmanager
+def tuning(**changes) -> Iterator[Tuning]:
+    """Within, the loss walks the matrix as ``Tuning(**changes)`` says (the other fields as before)."""
+    global _tuning
+    before, _tuning = _tuning, replace(_tuning, **changes)
+    try:
+        yield _tuning
+    finally:
+        _tuning = before
+
+
 _REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -191,11 +220,11 @@ class _RowStats:
 
 
 def _use_triton(t: Tensor) -> bool:
-    return _INTERPRET or (t.is_cuda and TRITON_ON_CUDA)
+    return _tuning.triton if _tuning.triton is not None else _INTERPRET or t.is_cuda
 
 
 def _chunks(n: int, vocab: int):
-    size = min(vocab, max(_MIN_CHUNK_COLS, _CHUNK_ELEMENTS // max(n, 1)))
+    size = min(vocab, max(_tuning.min_chunk_cols, _tuning.chunk_elements // max(n, 1)))
     if 128 <= size < vocab:
         size -= size % 128  # whole tiles for the matmuls
     for v0 in range(0, vocab, size):
@@ -243,9 +272,9 @@ def _grad_chunk_torch(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0:
 
 
 def _token_chunks(n: int, vocab: int):
-    size = min(n, max(_MIN_CHUNK_ROWS, _ONE_PASS_CHUNK_ELEMENTS // vocab))
-    if _MIN_CHUNK_ROWS <= size < n:
-        size -= size % _MIN_CHUNK_ROWS
+    size = min(n, max(_tuning.min_chunk_rows, _tuning.one_pass_chunk_elements // vocab))
+    if _tuning.min_chunk_rows <= size < n:
+        size -= size % _tuning.min_chunk_rows
     for t0 in range(0, n, size):
         yield t0, min(n, t0 + size)
 
@@ -371,7 +400,7 @@ def _one_pass(hidden: Tensor, weight: Tensor, opts: CEOptions, wants: tuple[bool
     if opts.one_pass is not None:
         return opts.one_pass and any(wants[:3])
     n, vocab = hidden.shape[0], weight.shape[0]
-    if opts.reduction == "none" or n < ONE_PASS_MIN_TOKENS or not any(wants[:3]):
+    if opts.reduction == "none" or n < _tuning.one_pass_min_tokens or not any(wants[:3]):
         return False
     if not hidden.is_cuda:
         return True
@@ -481,8 +510,8 @@ def fused_linear_cross_entropy(
         check_targets: verify every target is in ``[0, V)`` or ``ignore_index`` (needs a host sync; always done
             on the CPU).
         one_pass: walk the tokens in one pass (``True``) or the vocabulary in two (``False``); ``None``: one pass
-            from ``ONE_PASS_MIN_TOKENS`` tokens when a gradient is wanted and, on CUDA, there is room for it (module
-            docstring). One pass needs ``reduction`` "mean" or "sum".
+            from ``Tuning.one_pass_min_tokens`` tokens when a gradient is wanted and, on CUDA, there is room for it
+            (module docstring). One pass needs ``reduction`` "mean" or "sum".
 
     Returns:
         the loss, and with ``return_correct`` the per-token correctness.

@@ -7,10 +7,10 @@ dropped). Like Hugging Face's flash-attention path, the mask is ``None`` or the 
 variable-length kernel, so nothing attends across documents and no (S x S) mask is built.
 
 Dense batches (no padding, no packing, no window) on CUDA run PyTorch's cuDNN attention where it supports the
-inputs: on the H200 it is faster than the project's kernel (``benchmarks/bench_attention.py``, fwd+bwd at 8k: 521
-vs 317 TFLOP/s), and a user fine-tuning one dense batch after another gets the fastest kernel there is. Everything
-else — and everything when cuDNN cannot run the inputs — takes the project's kernel. ``DENSE_CUDNN = False``
-sends dense batches to the kernel too.
+inputs: on the H200 it is faster than the project's kernel (``benchmarks/bench_attention.py``), and a user
+fine-tuning one dense batch after another gets the fastest kernel there is. Everything else — and everything when
+cuDNN cannot run the inputs — takes the project's kernel. ``attn_implementation="slide_kernel"`` sends dense batches
+to the kernel too.
 """
 
 from __future__ import annotations
@@ -27,19 +27,21 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .kernels import flash_attention
 from .kernels.attention import HEAD_DIMS
 
-NAME = "slide"
-DENSE_CUDNN = True  # dense CUDA batches to PyTorch's cuDNN attention where it runs them (module docstring)
+NAME = "slide"  # dense CUDA batches to PyTorch's cuDNN attention where it runs them (module docstring)
+KERNEL_ONLY = "slide_kernel"  # every batch to the project's kernel
 log = logging.getLogger(__name__)
 # what position ids and padding masks say, read on the host, for the most recent few (see _host_read)
 _HOST_READS: OrderedDict[tuple, tuple[Tensor, object]] = OrderedDict()
 
 
-def use_slide_attention(model: nn.Module, required: bool) -> Callable[[], None] | None:
-    """Switch a Hugging Face model to ``attn_implementation="slide"`` if the kernel covers its attention.
+def use_slide_attention(model: nn.Module, required: bool, name: str = NAME) -> Callable[[], None] | None:
+    """Switch a Hugging Face model to ``attn_implementation=name`` (``"slide"`` or ``"slide_kernel"``) if the kernel
+    covers its attention.
 
     Args:
         model: a transformers ``PreTrainedModel``.
         required: raise if it cannot be switched (else log why and keep the model's own attention).
+        name: the implementation.
 
     Returns:
         a function that restores the previous implementation, or ``None`` if nothing changed.
@@ -56,12 +58,12 @@ def use_slide_attention(model: nn.Module, required: bool) -> Callable[[], None] 
         why = "attention logit soft-capping"
     if why is not None:
         if required:
-            raise ValueError(f"attention='slide' cannot run this model: {why}. Use attention='auto' or None.")
+            raise ValueError(f"attention={name!r} cannot run this model: {why}. Use attention='auto' or None.")
         log.info("SlideFormer keeps attn_implementation=%r: %s.", previous, why)
         return None
-    if previous == NAME:
+    if previous == name:
         return None
-    model.set_attn_implementation(NAME)
+    model.set_attn_implementation(name)
     return lambda: model.set_attn_implementation(previous)
 
 
@@ -76,10 +78,11 @@ def slide_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     is_causal: bool | None = None,
+    cudnn: bool = True,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """transformers' attention-function signature: query (B, Hq, S, D), key/value (B, Hkv, S, D); returns the output
-    as (B, S, Hq, D) and no attention weights."""
+    as (B, S, Hq, D) and no attention weights. ``cudnn``: dense CUDA batches may take PyTorch's cuDNN attention."""
     if dropout and module.training:
         raise ValueError(f"attn_implementation='slide' has no attention dropout; got dropout={dropout}.")
     if softcap is not None:
@@ -103,7 +106,7 @@ def slide_attention_forward(
         return out.view(batch, length, *out.shape[1:]), None
     heads_first = [t.transpose(1, 2) for t in (q, k, v)]  # (B, H, S, D), in the compute dtype
     gqa = q.shape[2] != k.shape[2]
-    if sliding_window is None and _cudnn_runs(*heads_first, causal, gqa):
+    if cudnn and sliding_window is None and _cudnn_runs(*heads_first, causal, gqa):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = torch.nn.functional.scaled_dot_product_attention(
                 *heads_first, is_causal=causal, scale=scaling, enable_gqa=gqa
@@ -112,9 +115,14 @@ def slide_attention_forward(
     return flash_attention(q, k, v, **options), None
 
 
+def slide_kernel_attention_forward(*args, **kwargs) -> tuple[Tensor, None]:
+    """``attn_implementation="slide_kernel"``: :func:`slide_attention_forward` with every batch on the kernel."""
+    return slide_attention_forward(*args, cudnn=False, **kwargs)
+
+
 def _cudnn_runs(query: Tensor, key: Tensor, value: Tensor, causal: bool, gqa: bool) -> bool:
     """Whether PyTorch's cuDNN attention takes these dense (B, H, S, D) inputs (dtype, head dim, GPU, versions)."""
-    if not (DENSE_CUDNN and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
+    if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
         return False
     return can_use_cudnn_attention(SDPAParams(query, key, value, None, 0.0, causal, gqa), False)
 
@@ -151,10 +159,9 @@ def _restarts(position_ids: Tensor | None, batch: int) -> Tensor | None:
 def _host_read(t: Tensor, what: object, compute: Callable[[], object]):
     """``compute()``, which reads ``t`` on the host, kept for the few most recent tensors.
 
-    Reading on the host is a synchronization that left the GPU idle ~4 ms before every block at 32k tokens (a trace of
-    bench_core.py, for the position ids). Every layer, and its recompute, gets the same tensor: the answer is keyed by
-    its memory and version counter (shared by the detached copies the recompute sees); the entry holds the tensor, so
-    that memory is not reused while it is kept.
+    Reading on the host synchronizes with the GPU (it idled before every block: ``benchmarks/NOTES.md``). Every layer,
+    and its recompute, gets the same tensor: the answer is keyed by its memory and version counter (shared by the
+    detached copies the recompute sees); the entry holds the tensor, so that memory is not reused while it is kept.
     """
     key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t._version, what)
     if key not in _HOST_READS:
@@ -181,4 +188,6 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     AttentionInterface.register(NAME, slide_attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionInterface.register(KERNEL_ONLY, slide_kernel_attention_forward)
+    for name in (NAME, KERNEL_ONLY):
+        AttentionMaskInterface.register(name, flash_attention_mask)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torchmetrics import SumMetric
 
 from .data import _missing_directory
-from .engine.planner import available_host_bytes
+from .engine.machine import available_host_bytes
 from .kernels import fused_linear_cross_entropy
 
 

@@ -24,9 +24,9 @@ class SlideFormerPrecision(Precision):
 
     ``"bf16-mixed"`` computes like Lightning's bf16-mixed (autocast over fp32 weights): weight matrices travel to
     the GPU as bf16, which is what autocast would cast them to, while vectors (norm weights, biases), the
-    embedding rows and the residual stream stay fp32. ``"32-true"`` computes in fp32 throughout. Either way the
-    masters and the optimizer state are fp32 on the CPU, and ``optimizer_step`` hands the update to the engine
-    instead of calling ``optimizer.step()``.
+    embedding rows and the residual stream stay fp32. ``"32-true"`` (Lightning's default) computes in fp32
+    throughout. Either way the masters and the optimizer state are fp32 on the CPU; the optimizer's ``step()`` runs
+    as in Lightning, and the engine's step hooks apply the update (``engine/step.py``).
 
     Args:
         precision: ``"bf16-mixed"`` or ``"32-true"``.
@@ -48,20 +48,19 @@ class SlideFormerPrecision(Precision):
         return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
 
     @classmethod
-    def convert(cls, plugin: Precision | None, device: str, explicit: bool) -> SlideFormerPrecision:
+    def convert(cls, plugin: Precision | None, device: str) -> SlideFormerPrecision:
         """Our plugin for what the Trainer's connector produced from its ``precision`` flag.
 
         Args:
             plugin: the connector's plugin (``Precision`` for "32-true", ``MixedPrecision`` for the mixed ones).
             device: the accelerator's device type.
-            explicit: whether the user passed ``precision`` at all; without it, CUDA runs use bf16-mixed.
         """
         if isinstance(plugin, SlideFormerPrecision):
             return plugin
         if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
             return cls("bf16-mixed", device)
         if type(plugin) is Precision:
-            return cls("bf16-mixed" if device == "cuda" and not explicit else "32-true", device)
+            return cls("32-true", device)
         name = getattr(plugin, "precision", type(plugin).__name__)
         raise ValueError(
             f"SlideFormer supports precision='bf16-mixed' or '32-true'; got {name!r}."
@@ -81,28 +80,23 @@ class SlideFormerPrecision(Precision):
 
     @override
     def backward(self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any):
-        engine = self.engine
-        if engine is not None and engine.schedule == "norm-first" and optimizer is not None:
-            # a first pass over the retained graph for the global norm only, then the clipped one (engine.py)
-            engine.start_norm_pass()
-            model.backward(tensor, *args, **{**kwargs, "retain_graph": True})
-            if not engine.end_norm_pass(float(model.trainer.gradient_clip_val)):
-                return  # a non-finite norm, and on_nonfinite="skip"
-        model.backward(tensor, *args, **kwargs)
+        step = self.engine.step if self.engine is not None else None
+        if step is None or optimizer is None:
+            model.backward(tensor, *args, **kwargs)
+            return
+        clip = model.trainer.gradient_clip_val
+        step.backward(lambda **extra: model.backward(tensor, *args, **{**kwargs, **extra}),
+                      max_norm=float(clip) if clip else None)  # fmt: skip
 
     @override
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        # Runs inside the optimizer's step(), which the engine's step hooks begin and end (engine/step.py).
         closure_result = closure()
-        self.engine.grads_ready()  # before the hooks and clipping, which read the gradients
+        step = self.engine.step
+        step.grads_ready()  # before the hooks and clipping, which read the gradients
         self._after_closure(model, optimizer)
+        step.grads_taken()
         return closure_result
-
-    @override
-    def optimizer_step(
-        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
-        # The update itself is the engine's (the strategy calls begin/finish around this).
-        return self._wrap_closure(model, optimizer, closure)
 
     @override
     def clip_gradients(
@@ -113,7 +107,5 @@ class SlideFormerPrecision(Precision):
     ) -> None:
         if clip_val <= 0:
             return
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            self.engine.clip_grad_value(clip_val)
-        else:
-            self.engine.clip_grad_norm(clip_val)
+        algorithm = "value" if gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "norm"
+        self.engine.step.clip(clip_val, algorithm)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
@@ -13,31 +12,23 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
-from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
-from .engine import SlideEngine
-from .engine import engine as engine_module
-from .engine.planner import (
-    HostPlan,
-    available_host_bytes,
-    check_host,
-    device_budget,
-    locked_memory_limit,
-    window_slots,
-)
+from .engine import EngineConfig, SlideEngine
+from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
+from .engine.planner import check_host, window_slots
 from .loss import causal_lm_loss
-from .models import Layout, disable_hf_checkpointing, find_layout, install_causal_lm_loss
+from .models import disable_hf_checkpointing, find_layout, install_causal_lm_loss
+from .placement import SCHEDULES, EngineOptions, choose_engine, frozen_to_store, resolve_schedule
 from .precision import SlideFormerPrecision
 
 log = logging.getLogger(__name__)
@@ -91,7 +82,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             copies). A model loaded in bf16 gets exact fp32 masters of its values.
         attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
             (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
-            ``"slide"`` requires it, ``None`` keeps the model's own. Restored when training ends.
+            ``"slide"`` requires it, ``"slide_kernel"`` requires it and sends dense batches to the kernel too
+            (``"slide"`` gives those to PyTorch's cuDNN attention where it runs them), ``None`` keeps the model's own.
+            Restored when training ends.
+        engine: the engine's mechanism knobs (:class:`~lightning_slide.engine.EngineConfig`): transfer chunks,
+            landing buffers, the embedding's update variants, bf16 retained gradients.
     """
 
     strategy_name = "slideformer"
@@ -110,21 +105,24 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         nvme_masters: bool = False,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
-        attention: Literal["auto", "slide"] | None = "auto",
+        attention: Literal["auto", "slide", "slide_kernel"] | None = "auto",
+        engine: EngineConfig | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
     ) -> None:
         if num_slots != "auto" and (not isinstance(num_slots, int) or num_slots < 2):
             raise ValueError(f"num_slots must be an int >= 2 or 'auto'; got {num_slots!r}.")
-        if update_schedule not in _SCHEDULES:
-            raise ValueError(f"update_schedule must be one of {_SCHEDULES}; got {update_schedule!r}.")
+        if update_schedule not in SCHEDULES:
+            raise ValueError(f"update_schedule must be one of {SCHEDULES}; got {update_schedule!r}.")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
         if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
             raise ValueError(f"cpu_threads must be a positive int or None; got {cpu_threads!r}.")
-        if attention not in ("auto", "slide", None):
-            raise ValueError(f"attention must be 'auto', 'slide' or None; got {attention!r}.")
+        if attention not in ("auto", "slide", "slide_kernel", None):
+            raise ValueError(f"attention must be 'auto', 'slide', 'slide_kernel' or None; got {attention!r}.")
+        if engine is not None and not isinstance(engine, EngineConfig):
+            raise TypeError(f"engine must be a lightning_slide.engine.EngineConfig; got {type(engine).__name__}.")
         if offload_activations not in (True, False, "auto"):
             raise ValueError(f"offload_activations must be True, False or 'auto'; got {offload_activations!r}.")
         if optimizer_offload not in ("auto", "cpu", "nvme"):
@@ -156,6 +154,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
+        self.engine_config = engine or EngineConfig()
         self.engine: SlideEngine | None = None
         self._restores: list = []  # undo what setup changed on the user's model, at teardown
 
@@ -194,7 +193,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             self._precision_plugin = None
             return
         device = "cuda" if isinstance(self.accelerator, CUDAAccelerator) else self.root_device.type
-        self._precision_plugin = SlideFormerPrecision.convert(plugin, device, explicit=_precision_flag_given())
+        self._precision_plugin = SlideFormerPrecision.convert(plugin, device)
 
     @property
     @override
@@ -226,71 +225,32 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             # NOTE: Lightning itself refuses several optimizers under automatic optimization.
             self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
             optimizer = self.optimizers[0]
-        schedule = self._resolve_schedule(trainer, module)
+        schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
         layout = find_layout(module, self.blocks)
         disable_hf_checkpointing(module)
         cuda = self.root_device.type == "cuda"
         half = self.precision_plugin.compute_dtype != torch.float32  # the kernel's Triton path is bf16/fp16
         if layout.pretrained is not None and (
-            self.attention == "slide" or (self.attention == "auto" and cuda and half)
+            self.attention in ("slide", "slide_kernel") or (self.attention == "auto" and cuda and half)
         ):
-            restore = use_slide_attention(layout.pretrained, required=self.attention == "slide")
+            required = self.attention != "auto"
+            name = self.attention if required else "slide"
+            restore = use_slide_attention(layout.pretrained, required=required, name=name)
             if restore is not None:
                 self._restores.append(restore)
 
-        # bf16 retained gradients: "auto" only where fp32 ones would not fit (below)
-        def make_engine(
-            nvme_path: str | None, compact_grads: bool = engine_module.COMPACT_RETAINED_GRADS is True
-        ) -> SlideEngine:
-            return SlideEngine(
-                module,
-                layout.blocks,
-                self.root_device,
-                compute_dtype=self.precision_plugin.compute_dtype,
-                embedding=layout.embedding,
-                head=layout.head,
-                optimizer=optimizer,
-                schedule=schedule,
-                retain_grads=trainer.accumulate_grad_batches > 1,
-                num_slots=3 if self.num_slots == "auto" else self.num_slots,
-                on_nonfinite=self.on_nonfinite,
-                cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
-                offload_activations=self.offload_activations,
-                nvme_path=nvme_path,
-                nvme_masters=self.nvme_masters,
-                hooks_read_grads=_hooks_read_grads(trainer, module),
-                compact_grads=compact_grads,
-            )
-
-        self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
+        options = EngineOptions(
+            num_slots=3 if self.num_slots == "auto" else self.num_slots, update_schedule=self.update_schedule,
+            on_nonfinite=self.on_nonfinite,
+            cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
+            offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
+            nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
+        )  # fmt: skip
         dtype = self.precision_plugin.compute_dtype
-        frozen = _frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
-        stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
-        plan, available = self.engine.host_plan(stored), available_host_bytes()
-        if plan.added > available and engine_module.COMPACT_RETAINED_GRADS == "auto":
-            candidate = make_engine(self.engine.nvme_path, compact_grads=True)
-            if candidate.compact_grads():
-                self.engine, plan = candidate, candidate.host_plan(stored)
-                log.info(
-                    "SlideFormer keeps the step's bf16 gradients in bf16 on the host (a slower CPU update): in fp32"
-                    " they would not fit the %.2f GiB of RAM available.", available / 2**30,
-                )  # fmt: skip
-        if self._norm_first_instead(trainer, module, plan, available):
-            log.info(
-                "SlideFormer clips with update_schedule='norm-first' (two backward passes): keeping the step's"
-                " gradients for 'forward' would need %.2f GiB more than the %.2f GiB of RAM available.",
-                plan.added / 2**30, available / 2**30,
-            )  # fmt: skip
-            schedule = "norm-first"
-            self.engine = make_engine(self.nvme_path if self.optimizer_offload == "nvme" else None)
-            plan = self.engine.host_plan(stored)
-        if self._state_to_disk(plan, available):
-            log.info(
-                "SlideFormer keeps the optimizer state on NVMe (%s): in RAM the run would need %.2f GiB more than"
-                " the %.2f GiB available.", self.nvme_path, plan.added / 2**30, available / 2**30,
-            )  # fmt: skip
-            self.engine = make_engine(self.nvme_path)
-            plan = self.engine.host_plan(stored)
+        frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
+        available = available_host_bytes()
+        self.engine, plan = choose_engine(module, layout, self.root_device, dtype, optimizer, schedule, trainer,
+                                          options, frozen, available)  # fmt: skip
         if self.engine.nvme_path is not None and not isinstance(self.checkpoint_io, SlideCheckpointIO):
             raise ValueError(
                 f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
@@ -307,8 +267,15 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
+        if cuda and dtype == torch.float32:
+            log.info(
+                "SlideFormer computes in fp32 (precision='32-true', Lightning's default): Trainer(precision="
+                "'bf16-mixed') sends half the bytes per weight and computes as Lightning's bf16-mixed does."
+            )
         self.engine.setup(self._loaded_masters)
         self._loaded_masters = {}
+        if fitting:  # the optimizer's step() begins and ends the engine's step
+            self._restores.append(self.engine.step.attach(lambda: trainer.global_step))
         if self.install_loss and layout.causal_lm is not None:
             engine = self.engine
             self._restores.append(
@@ -320,46 +287,6 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.model = module
         if fitting:
             self.setup_precision_plugin()
-
-    def _state_to_disk(self, plan: HostPlan, available: int) -> bool:
-        """``optimizer_offload="auto"``: whether Adam's state goes to ``nvme_path`` (it would not fit in RAM)."""
-        optimizer = self.engine.optimizer
-        return (
-            self.optimizer_offload == "auto"
-            and self.nvme_path is not None
-            and optimizer is not None
-            and not optimizer.is_sgd
-            and plan.added > available
-        )
-
-    def _norm_first_instead(self, trainer: Any, module: LightningModule, plan: Any, available: int) -> bool:
-        """``update_schedule="auto"``: whether clipping takes two backward passes instead of keeping the gradients
-        (they would not fit in RAM)."""
-        return (
-            self.update_schedule == "auto"
-            and self.engine.schedule == "forward"
-            and plan.added > available
-            and not _norm_first_refusal(trainer, module)
-        )
-
-    def _resolve_schedule(self, trainer: Any, module: LightningModule) -> str:
-        clipping = bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)
-        schedule = self.update_schedule
-        if schedule == "auto":
-            schedule = "forward" if clipping else "backward"
-        if schedule == "backward" and clipping:
-            raise ValueError(
-                "Gradient clipping needs every gradient before any update, so it runs with"
-                " update_schedule='forward'; got update_schedule='backward'."
-            )
-        if schedule == "norm-first" and (why := _norm_first_refusal(trainer, module)):
-            raise ValueError(f"update_schedule='norm-first' {why}; use update_schedule='forward'.")
-        if self.on_nonfinite == "skip" and schedule == "backward":
-            raise ValueError(
-                "on_nonfinite='skip' needs the global gradient norm before any update: set"
-                " Trainer(gradient_clip_val=...) or use on_nonfinite='raise'."
-            )
-        return schedule
 
     @override
     def model_to_device(self) -> None:
@@ -395,17 +322,13 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        self.engine.backward_starts()
         with _explain_oom(self):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        self.engine.begin_step(self.lightning_module.trainer.global_step)
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        with _explain_oom(self):  # the "forward" schedule sends the embedding's touched rows up here (rows.py)
-            self.engine.finish_step()
-        return result
+        with _explain_oom(self):  # the "forward" schedule sends the embedding's touched rows up at the step's end
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def on_validation_start(self) -> None:
@@ -425,7 +348,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._wait()
         state = super().lightning_module_state_dict()
-        return self.engine.with_offloaded_masters(state) if self.engine is not None else state
+        return self.engine.state_io.with_offloaded_masters(state) if self.engine is not None else state
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -443,12 +366,12 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
         self._wait()
         state = super().optimizer_state(optimizer)
-        return self.engine.with_offloaded_state(state) if self.engine is not None else state
+        return self.engine.state_io.with_offloaded_state(state) if self.engine is not None else state
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         # with the optimizer state on NVMe, the checkpoint references the state files; they are copied beside it
-        files = self.engine.state_files() if self.engine is not None else []
+        files = self.engine.state_io.state_files() if self.engine is not None else []
         if files:
             storage_options = {**(storage_options or {}), "state_files": files}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -456,11 +379,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # Like the base class, minus its move of the state to the root device: the state lives on the CPU.
-        with self.engine.masters_as_fp32() if self.engine is not None else nullcontext():
+        with self.engine.state_io.masters_as_fp32() if self.engine is not None else nullcontext():
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
                 optimizer.load_state_dict(state)
         if self.engine is not None:
-            self.engine.adopt_loaded_state()
+            self.engine.state_io.adopt_loaded_state()
 
     @classmethod
     @override
@@ -480,33 +403,6 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             )
 
 
-_SCHEDULES = ("auto", "backward", "forward", "norm-first")
-
-
-def _norm_first_refusal(trainer: Any, module: LightningModule) -> str | None:
-    """Why ``update_schedule="norm-first"`` cannot train this fit (``None``: it can)."""
-    if not trainer.gradient_clip_val:
-        return "clips by norm and needs Trainer(gradient_clip_val=...)"
-    if (trainer.gradient_clip_algorithm or "norm") != "norm":
-        return "clips by norm, not by value"
-    if is_overridden("configure_gradient_clipping", module):
-        return (
-            "clips at Trainer(gradient_clip_val=...) during the backward and cannot run an overridden"
-            " configure_gradient_clipping"
-        )
-    if trainer.accumulate_grad_batches > 1:
-        return "keeps no gradients between micro-batches and cannot accumulate them"
-    return None
-
-
-def _hooks_read_grads(trainer: Any, module: LightningModule) -> bool:
-    """Whether the module or a callback overrides a hook that sees ``param.grad`` between backward and step."""
-    hooks = ("on_after_backward", "on_before_optimizer_step")
-    return any(is_overridden(h, module) for h in hooks + ("configure_gradient_clipping",)) or any(
-        is_overridden(h, cb) for cb in trainer.callbacks for h in hooks
-    )
-
-
 def _check_nvme_path(path: str | None) -> str:
     if path is None:
         raise ValueError(
@@ -523,13 +419,7 @@ def _check_nvme_path(path: str | None) -> str:
     return path
 
 
-def _frozen_to_store(layout: Layout) -> list[nn.Parameter]:
-    # Frozen fp32 matrices of the blocks and the head, to be kept in the compute dtype on the host; the embedding
-    # (streamed by fp32 rows) and anything tied to it keep fp32.
-    keep = set(layout.embedding[1].parameters()) if layout.embedding is not None else set()
-    modules = [m for _, m in layout.blocks] + ([layout.head[1]] if layout.head is not None else [])
-    params = dict.fromkeys(p for m in modules for p in m.parameters())
-    return [p for p in params if not p.requires_grad and p.dim() >= 2 and p.dtype == torch.float32 and p not in keep]
+_OOM_EXPLAINED = "SlideFormer ran out of GPU memory"
 
 
 @contextmanager
@@ -537,28 +427,16 @@ def _explain_oom(strategy: SlideFormerStrategy) -> Generator[None, None, None]:
     try:
         yield
     except torch.OutOfMemoryError as err:
+        if _OOM_EXPLAINED in str(err):  # by an inner call (the training step runs inside the optimizer step)
+            raise
         engine = strategy.engine
         window = engine.device_bytes() / 2**30 if engine else float("nan")
         offload = "" if engine and engine.offloading else " SlideFormerStrategy(offload_activations=True),"
         slots = engine.num_slots if engine else strategy.num_slots
         raise torch.OutOfMemoryError(
-            f"{err}\nSlideFormer ran out of GPU memory. Its window of {slots} block slots, the head and"
+            f"{err}\n{_OOM_EXPLAINED}. Its window of {slots} block slots, the head and"
             f" staging take {window:.2f} GiB; the rest is activations. Lower the tokens per step (batch size or"
             f" sequence length, and use accumulate_grad_batches instead),{offload} or SlideFormerStrategy(num_slots=2)."
             " If much memory is 'reserved but unallocated' above, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
             " before starting Python."
         ) from err
-
-
-def _precision_flag_given() -> bool:
-    """Whether the Trainer under construction was given ``precision=...``.
-
-    NOTE: Lightning's connector turns a missing flag into "32-true" and keeps no trace of the difference; the
-    strategy's default on CUDA is bf16-mixed, so we read the argument from the connector's frame.
-    """
-    frame = sys._getframe()
-    while frame is not None:
-        if frame.f_code.co_name == "__init__" and type(frame.f_locals.get("self")).__name__ == "_AcceleratorConnector":
-            return frame.f_locals.get("precision") is not None
-        frame = frame.f_back
-    return True

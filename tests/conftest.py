@@ -1,5 +1,7 @@
-"""Test configuration: the GPU marker, Triton's interpreter on CPU-only machines, a fixed seed for every test."""
+"""Test configuration: the GPU marker, Triton's interpreter on CPU-only machines, a fixed seed for every test, and
+the kernels' tuning for a test."""
 
+import contextlib
 import os
 import warnings
 
@@ -25,3 +27,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture
+def tune():
+    """``tune(kernel_module, **changes)``: the kernel module's ``tuning(**changes)`` until the test ends."""
+    with contextlib.ExitStack() as stack:
+        yield lambda module, **changes: stack.enter_context(module.tuning(**changes))

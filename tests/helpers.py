@@ -182,22 +182,37 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-def kernel_path(module, path: str, monkeypatch) -> str:
-    """Run a kernel module's Triton path (under TRITON_INTERPRET=1) or its torch path, for a ``path`` fixture."""
+def kernel_path(module, path: str, tune) -> str:
+    """Run a kernel module's Triton path (under TRITON_INTERPRET=1) or its torch path, for a ``path`` fixture
+    (``tune``: the fixture of conftest.py)."""
     import pytest
 
     if path == "triton" and not module._INTERPRET:
         pytest.skip("the Triton path on CPU tensors needs TRITON_INTERPRET=1")
-    if path == "torch":
-        monkeypatch.setattr(module, "_INTERPRET", False)
+    tune(module, triton=path == "triton")
     return path
 
 
 def count_deferred_gathers(monkeypatch) -> list[bool]:
-    """Record, for each call of ``GradRouter.apply_deferred``, whether a gather queued a deferred update (rows.py)."""
-    from lightning_slide.engine.grads import GradRouter
+    """Record, for each call of ``EmbeddingRows.apply_deferred``, whether a gather queued a deferred update."""
+    from lightning_slide.engine.embedding import EmbeddingRows
 
-    gathers, apply_deferred = [], GradRouter.apply_deferred
-    monkeypatch.setattr(GradRouter, "apply_deferred", lambda self, first: gathers.append(
+    gathers, apply_deferred = [], EmbeddingRows.apply_deferred
+    monkeypatch.setattr(EmbeddingRows, "apply_deferred", lambda self, first: gathers.append(
         first is not None and self.deferred is not None) or apply_deferred(self, first))  # fmt: skip
     return gathers
+
+
+def record_splits(monkeypatch) -> list[tuple[int, bool]]:
+    """Record each two-part embedding update a step starts (``rows.RowSplit``): its touched rows, and whether they
+    are updated on the device."""
+    from lightning_slide.engine.rows import RowSplit
+
+    splits, init = [], RowSplit.__init__
+
+    def recorded(self, param, index, *args, **kwargs):
+        splits.append((len(index), kwargs["on_device"]))
+        init(self, param, index, *args, **kwargs)
+
+    monkeypatch.setattr(RowSplit, "__init__", recorded)
+    return splits

@@ -12,15 +12,15 @@ from helpers import VOCAB, tiny_config
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _pair(family, device="cpu", head_dim=16):
+def _pair(family, device="cpu", head_dim=16, name="slide"):
     def config():  # one each: from_config records the attention implementation on the config object
         return tiny_config(family, hidden_size=64, intermediate_size=128, head_dim=head_dim)  # the kernel's head dims
 
     torch.manual_seed(0)
     sdpa = AutoModelForCausalLM.from_config(config(), attn_implementation="sdpa")
-    slide = AutoModelForCausalLM.from_config(config(), attn_implementation="slide")
+    slide = AutoModelForCausalLM.from_config(config(), attn_implementation=name)
     slide.load_state_dict(sdpa.state_dict())
-    assert (sdpa.config._attn_implementation, slide.config._attn_implementation) == ("sdpa", "slide")
+    assert (sdpa.config._attn_implementation, slide.config._attn_implementation) == ("sdpa", name)
     return sdpa.to(device), slide.to(device)
 
 
@@ -65,15 +65,14 @@ ROUTES = [("cpu", False), *(pytest.param("cuda", cudnn, marks=pytest.mark.gpu) f
 @pytest.mark.parametrize(("device", "cudnn"), ROUTES)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_dense_matches_sdpa(family, device, cudnn, monkeypatch):
-    # on CUDA both routes of a dense batch: the project's kernel, and PyTorch's cuDNN attention (attention.py);
-    # Mistral's sliding window always takes the kernel
+    # on CUDA both routes of a dense batch: "slide_kernel" the project's kernel, "slide" PyTorch's cuDNN attention
+    # (attention.py); Mistral's sliding window always takes the kernel
     from lightning_slide import attention
 
-    monkeypatch.setattr(attention, "DENSE_CUDNN", cudnn)
     kernel_calls = []
     kernel = attention.flash_attention
     monkeypatch.setattr(attention, "flash_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
-    sdpa, slide = _pair(family, device, head_dim=64 if cudnn else 16)
+    sdpa, slide = _pair(family, device, head_dim=64 if cudnn else 16, name="slide" if cudnn else "slide_kernel")
     ids = torch.randint(0, VOCAB, (2, 23), device=device)
     _check(sdpa, slide, input_ids=ids, labels=ids)
     assert bool(kernel_calls) != (cudnn and family != "mistral")

@@ -4,6 +4,7 @@ checkpoints."""
 import math
 import threading
 import time
+from dataclasses import replace
 
 import lightning as L
 import pytest
@@ -21,10 +22,12 @@ from helpers import (
     fit,
     global_error,
     max_rel_error,
+    record_splits,
     tiny_config,
     token_data,
 )
 from lightning_slide import NonFiniteGradientError, SlideFormerStrategy
+from lightning_slide.engine import EngineConfig
 
 
 class _Probe(L.Callback):
@@ -35,7 +38,7 @@ class _Probe(L.Callback):
 
     def on_train_batch_end(self, trainer, *args):
         engine = trainer.strategy.engine
-        self.ring_ptrs.append(tuple(t.data_ptr() for buf in engine._ring for t in buf.flat.values()))
+        self.ring_ptrs.append(tuple(t.data_ptr() for buf in engine.window.ring for t in buf.flat.values()))
         self.uploads.append(engine.stats.uploads)
 
 
@@ -60,9 +63,8 @@ class _WatchSteps(L.Callback):
 
 
 @pytest.mark.parametrize("install_loss", [True, False])
-def test_no_full_logits_in_a_training_step(monkeypatch, install_loss):
-    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", 1000)  # chunk the tiny vocabulary too
-    monkeypatch.setattr(flce, "_MIN_CHUNK_COLS", 1)
+def test_no_full_logits_in_a_training_step(tune, install_loss):
+    tune(flce, chunk_elements=1000, min_chunk_cols=1)  # chunk the tiny vocabulary too
     watch = _WatchSteps()
     batch = 4
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(install_loss=install_loss), steps=2, callbacks=[watch])
@@ -101,18 +103,17 @@ class _KeepModule(L.Callback):
         (1.0, 1, "auto", "32-true"),
         (None, 2, "auto", "32-true"),
         (None, 1, "forward", "32-true"),
-        (None, 1, "forward", "bf16-mixed"),  # retained in bf16 (COMPACT_RETAINED_GRADS)
+        (None, 1, "forward", "bf16-mixed"),  # retained in bf16 (EngineConfig.compact_retained_grads)
     ],
 )
-def test_nonfinite_gradient_stops_with_step_and_block(monkeypatch, clip, accumulate, schedule, precision):
-    # streamed (checked on the device), clipped (the global norm), retained (checked on the host, grads.py; with
+def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate, schedule, precision):
+    # streamed (checked on the device), clipped (the global norm), retained (checked on the host, updates.py; with
     # "forward", the embedding's touched rows first)
-    from lightning_slide.engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)
+    strategy = SlideFormerStrategy(num_slots=2, update_schedule=schedule,
+                                   engine=EngineConfig(compact_retained_grads=True))  # fmt: skip
     with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in '(model|the global)"):
-        fit(_NaNAt(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule), steps=4,
-            gradient_clip_val=clip, accumulate_grad_batches=accumulate, precision=precision)  # fmt: skip
+        fit(_NaNAt(tiny_config("llama")), strategy, steps=4, gradient_clip_val=clip,
+            accumulate_grad_batches=accumulate, precision=precision)  # fmt: skip
 
 
 def test_nonfinite_step_can_be_skipped_with_clipping():
@@ -164,18 +165,16 @@ def test_predict_on_a_plain_model_returns_logits():
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_the_order_of_uploads_at_each_training_gather(monkeypatch, clip):
     # the forward needs the rows and block 0 first: each training gather sends block 0 before the rows, and the
-    # window's next block goes up once block 0's forward is queued (engine.gather_rows), where the embedding's update
-    # is split; but with the "backward" schedule the rows wait for the deferred update's first part (rows.py), and
-    # block 1 goes up meanwhile, between the rows that update does not touch and those it does
-    from lightning_slide.engine import engine as engine_module
-    from lightning_slide.engine.engine import SlideEngine
+    # window's next block goes up once block 0's forward is queued (EmbeddingRows.gather), where the embedding's
+    # update is split; but with the "backward" schedule the rows wait for the deferred update's first part
+    # (embedding.py), and block 1 goes up meanwhile, between the rows that update does not touch and those it does
+    from lightning_slide.engine.embedding import EmbeddingRows
+    from lightning_slide.engine.window import Window
 
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
-
-    events, upload, send, gather = [], SlideEngine._upload, SlideEngine._send_host_rows, SlideEngine.gather_rows
+    events, upload, send, gather = [], Window._upload, EmbeddingRows.send_host_rows, EmbeddingRows.gather
 
     def logged_upload(self, unit, buf):
-        events.append(self._block_index.get(unit, "other"))
+        events.append(self.index.get(unit, "other"))
         upload(self, unit, buf)
 
     def logged_send(self, source, index, out):
@@ -188,10 +187,11 @@ def test_the_order_of_uploads_at_each_training_gather(monkeypatch, clip):
         events.append("]")
         return out
 
-    monkeypatch.setattr(SlideEngine, "_upload", logged_upload)
-    monkeypatch.setattr(SlideEngine, "_send_host_rows", logged_send)
-    monkeypatch.setattr(SlideEngine, "gather_rows", logged_gather)
-    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=3), steps=3, gradient_clip_val=clip)
+    monkeypatch.setattr(Window, "_upload", logged_upload)
+    monkeypatch.setattr(EmbeddingRows, "send_host_rows", logged_send)
+    monkeypatch.setattr(EmbeddingRows, "gather", logged_gather)
+    strategy = SlideFormerStrategy(num_slots=3, engine=EngineConfig(split_embedding_update=True))
+    fit(CausalLM(tiny_config("llama")), strategy, steps=3, gradient_clip_val=clip)
     gathers = "".join(str(e) for e in events).split("[")[1:]
     assert len(gathers) == 3
     # each step's blocks 0 and 1 were updated: both go up. Step 1 has no deferred update
@@ -200,19 +200,19 @@ def test_the_order_of_uploads_at_each_training_gather(monkeypatch, clip):
 
 
 @pytest.mark.parametrize(("tied", "clip"), [(True, 0.5), (False, 0.5), (False, None)])
-def test_checkpoint_and_resume_at_epoch_end_continue_exactly(monkeypatch, tmp_path, tied, clip):
-    # the embedding's update split in two (rows.py). Clipping: schedule "forward"; untied, its touched rows are updated
-    # on the device, so the checkpoint must wait for their write-back. No clipping: "backward", where the last step's
-    # touched rows wait for the next gather, so the checkpoint must update them first
-    from lightning_slide.engine import engine as engine_module
+def test_checkpoint_and_resume_at_epoch_end_continue_exactly(tmp_path, tied, clip):
+    # the embedding's update split in two (embedding.py). Clipping: schedule "forward"; untied, its touched rows are
+    # updated on the device, so the checkpoint must wait for their write-back. No clipping: "backward", where the last
+    # step's touched rows wait for the next gather, so the checkpoint must update them first
+    def strategy():
+        return SlideFormerStrategy(num_slots=2, engine=EngineConfig(split_embedding_update=True))
 
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
     module = CausalLM(tiny_config("llama", tied=tied))
-    straight, _ = fit(module, SlideFormerStrategy(num_slots=2), steps=8, gradient_clip_val=clip)
+    straight, _ = fit(module, strategy(), steps=8, gradient_clip_val=clip)
     ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
     fit(
         module,
-        SlideFormerStrategy(num_slots=2),
+        strategy(),
         steps=4,
         gradient_clip_val=clip,
         callbacks=[ckpt],
@@ -221,7 +221,7 @@ def test_checkpoint_and_resume_at_epoch_end_continue_exactly(monkeypatch, tmp_pa
     path = next(tmp_path.glob("*.ckpt"))
     saved = torch.load(path, weights_only=True)
     assert saved["optimizer_states"][0]["state"][0]["exp_avg"].device.type == "cpu"
-    resumed, _ = fit(module, SlideFormerStrategy(num_slots=2), steps=8, gradient_clip_val=clip, ckpt_path=str(path))
+    resumed, _ = fit(module, strategy(), steps=8, gradient_clip_val=clip, ckpt_path=str(path))
     err, where = max_rel_error(resumed, straight)
     assert err < 1e-6, f"{where}: {err:.2e}"
 
@@ -270,10 +270,11 @@ def test_offloaded_inputs_are_freed_after_their_block_backward():
 @pytest.mark.parametrize(("budget", "offloads"), [(1 << 40, False), (1 << 10, True), (None, False)])
 def test_auto_activation_offload_follows_the_gpu_budget(monkeypatch, caplog, budget, offloads):
     # the budget a GPU would report (None: the CPU); "auto" offloads when the saved inputs would crowd it out
-    import lightning_slide.engine.engine as engine_module
+    from lightning_slide.engine import machine
+    from lightning_slide.engine.engine import SlideEngine
 
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: budget)
-    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
+    monkeypatch.setattr(machine, "device_budget", lambda device: budget)
+    monkeypatch.setattr(SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
     look = _PooledInputs()
     module = StackLM()
     ref, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=False))
@@ -285,10 +286,10 @@ def test_auto_activation_offload_follows_the_gpu_budget(monkeypatch, caplog, bud
 
 
 def test_offloading_only_the_first_blocks_gives_the_same_training(monkeypatch):
-    import lightning_slide.engine.engine as engine_module
+    from lightning_slide.engine import activations, machine
 
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1 << 40)
-    monkeypatch.setattr(engine_module, "blocks_to_offload", lambda *args: 1)  # what a GPU with room for the rest says
+    monkeypatch.setattr(machine, "device_budget", lambda device: 1 << 40)
+    monkeypatch.setattr(activations, "blocks_to_offload", lambda *args: 1)  # what a GPU with room for the rest says
     look = _PooledInputs()
     module = StackLM()
     ref, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=False))
@@ -298,16 +299,17 @@ def test_offloading_only_the_first_blocks_gives_the_same_training(monkeypatch):
 
 
 def test_offloaded_inputs_that_would_not_fit_ram_are_a_clear_error(monkeypatch):
-    import lightning_slide.engine.engine as engine_module
+    from lightning_slide.engine import machine
+    from lightning_slide.engine.engine import SlideEngine
 
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)  # every input must leave the GPU
-    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)
+    monkeypatch.setattr(machine, "device_budget", lambda device: 1)  # every input must leave the GPU
+    monkeypatch.setattr(SlideEngine, "device_bytes", lambda self, num_slots=None: 0)
     module = CausalLM(tiny_config("llama"))
     adam = 8 * sum(p.numel() for p in module.parameters())  # what Adam's state will take at the first update
     inputs = 4 * 4 * 4 * SEQ * module.model.config.hidden_size  # 4 blocks: fp32 inputs of batches of 4
-    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: adam + inputs)
+    monkeypatch.setattr(machine, "available_host_bytes", lambda: adam + inputs)
     fit(module, SlideFormerStrategy(num_slots=2), steps=1)  # just fits
-    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: adam + inputs - 1)
+    monkeypatch.setattr(machine, "available_host_bytes", lambda: adam + inputs - 1)
     with pytest.raises(MemoryError, match=r"saved inputs of 4 blocks .* GiB of RAM is available"):
         fit(module, SlideFormerStrategy(num_slots=2), steps=1)
 
@@ -328,10 +330,11 @@ def test_offload_moves_as_few_blocks_as_make_the_rest_fit():
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_tiled_mlps_give_the_same_training(monkeypatch, precision):
     # a GPU too small for one block at work: every input offloaded and the MLPs run on slices of the tokens
-    import lightning_slide.engine.engine as engine_module
+    from lightning_slide.engine import machine
+    from lightning_slide.engine.engine import SlideEngine
 
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)
-    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
+    monkeypatch.setattr(machine, "device_budget", lambda device: 1)
+    monkeypatch.setattr(SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
     tiled = []
 
     class Look(L.Callback):
@@ -351,13 +354,11 @@ def test_tiled_mlps_give_the_same_training(monkeypatch, precision):
         assert 0 < global_error(ours, ref) <= 2 * global_error(plain16, ref)
 
 
-def test_embedding_rows_move_through_two_small_staging_buffers(monkeypatch):
-    import lightning_slide.engine.engine as engine_module
-
+def test_embedding_rows_move_through_two_small_staging_buffers():
     module = CausalLM(tiny_config("llama", tied=True))
     ref, _ = fit(module, "auto")
-    monkeypatch.setattr(engine_module, "_ROWS_STAGE_NUMEL", 3 * module.model.config.hidden_size)  # 3 rows each
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2))
+    three_rows = EngineConfig(rows_stage_numel=3 * module.model.config.hidden_size)
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2, engine=three_rows))
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -375,15 +376,16 @@ class _LandingPool(L.Callback):
 
 
 def test_offloading_runs_keep_fewer_landing_buffers(monkeypatch):
-    import lightning_slide.engine.engine as engine_module
+    from lightning_slide.engine import machine
+    from lightning_slide.engine.engine import SlideEngine
 
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)  # every input leaves the GPU
-    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)
-    monkeypatch.setattr(engine_module, "_OFFLOAD_LANDING_BUFFERS", 1)
+    monkeypatch.setattr(machine, "device_budget", lambda device: 1)  # every input leaves the GPU
+    monkeypatch.setattr(SlideEngine, "device_bytes", lambda self, num_slots=None: 0)
     pool = _LandingPool()
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto")
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), callbacks=[pool])
+    strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(offload_landing_buffers=1))
+    ours, _ = fit(module, strategy, callbacks=[pool])
     assert pool.kept == [(1, 4 * (1 << 23))]  # one buffer left, and the plan says so
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -402,17 +404,15 @@ class _FirstBlockTwiceLM(StackLM):
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
-def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weights_train(monkeypatch):
+def test_clipping_without_accumulation_keeps_two_landing_buffers_and_shared_weights_train():
     # schedule "forward" retains every gradient, so the landing pool only serves a second gradient of the same
     # weights in one step: here the first block runs twice (weights shared), which takes it. Chunks of 256
     # elements, so the gradients would fill 36 buffers.
-    from lightning_slide.engine import engine as engine_module
-
-    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 256)
     pool = _LandingPool()
     module = _FirstBlockTwiceLM(dropout=0.0)
     ref, _ = fit(module, "auto", gradient_clip_val=0.5)
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), gradient_clip_val=0.5, callbacks=[pool])
+    strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(chunk_numel=256))
+    ours, _ = fit(module, strategy, gradient_clip_val=0.5, callbacks=[pool])
     assert pool.kept == [(2, 2 * 4 * 256)]
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -425,9 +425,9 @@ class _RetainedGrads(L.Callback):
         self.dtypes, self.compact = set(), []
 
     def on_train_batch_end(self, trainer, *args):
-        router = trainer.strategy.engine.router
-        self.dtypes |= {t.dtype for t in router.host.values()}
-        self.compact.append(len(router.compact))
+        updates = trainer.strategy.engine.updates
+        self.dtypes |= {t.dtype for t in updates.host.values()}
+        self.compact.append(len(updates.compact))
 
 
 @pytest.mark.parametrize(
@@ -435,22 +435,21 @@ class _RetainedGrads(L.Callback):
     [("clip-norm", "cpu"), ("clip-value", "cpu"), ("block-twice", "cpu"),
      pytest.param("clip-norm", "gpu", marks=pytest.mark.gpu)],  # pinned bf16 buffers, the bf16 view of the stage
 )  # fmt: skip
-def test_bf16_retained_gradients_train_the_same_bits_as_fp32_ones(monkeypatch, case, accelerator):
+def test_bf16_retained_gradients_train_the_same_bits_as_fp32_ones(case, accelerator):
     # schedule "forward" under bf16-mixed keeps the matrices' gradients in bf16, which holds them exactly: training
     # gives the same bits as with fp32 buffers, clipped by norm or by value (after widening). A block that runs twice
     # in a step gets a second gradient, and its buffers become fp32 at the first step. Chunks of 256 elements, so
     # each update widens a gradient in several chunks.
-    from lightning_slide.engine import engine as engine_module
-
-    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 256)
     module = (_FirstBlockTwiceLM if case == "block-twice" else StackLM)(dropout=0.0)
     kwargs = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value" if case == "clip-value" else "norm",
               "accelerator": accelerator}  # fmt: skip
     probe = _RetainedGrads()
-    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)  # "auto" would keep fp32 where it fits
-    compact, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", callbacks=[probe], **kwargs)
-    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", False)
-    wide, _ = fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", **kwargs)
+
+    def strategy(compact: bool) -> SlideFormerStrategy:  # forced: "auto" would keep fp32 where it fits
+        return SlideFormerStrategy(num_slots=2, engine=EngineConfig(chunk_numel=256, compact_retained_grads=compact))
+
+    compact, _ = fit(module, strategy(True), precision="bf16-mixed", callbacks=[probe], **kwargs)
+    wide, _ = fit(module, strategy(False), precision="bf16-mixed", **kwargs)
     assert probe.dtypes == {torch.bfloat16, torch.float32}
     matrices = sum(p.dim() >= 2 for p in module.parameters())  # the plain model's embedding is computed with in bf16
     widened = sum(p.dim() >= 2 for p in module.net.blocks[0].parameters()) if case == "block-twice" else 0
@@ -471,25 +470,19 @@ def test_host_plan_counts_bf16_retained_gradients_at_two_bytes():
 @pytest.mark.parametrize("schedule", ["backward", "forward"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd"])
 def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer, schedule):
-    # rows.py: the rows no token touched are updated when the backward starts, the touched ones when their
+    # embedding.py: the rows no token touched are updated when the backward starts, the touched ones when their
     # gradients arrive ("backward", by the CPU worker, deferred to the next gather: those it reads first) or the step
     # ends ("forward": on the device, or by the worker), where the next forward takes the rows it shares with the
     # step from the device. Chunks of 10 rows, so both parts run over several chunks (the vocabulary has 101 rows),
     # and the touched rows of a chunk are updated 3 at a time. On the CPU the "device" runs the same kernel, so all
     # give the same bits.
-    from lightning_slide.engine import engine as engine_module
     from lightning_slide.engine import rows
-    from lightning_slide.engine.grads import GradRouter
+    from lightning_slide.engine.embedding import EmbeddingRows
 
-    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
-    monkeypatch.setattr(rows, "PASS_NUMEL", 3 * 32)
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
-    splits, copies = [], []
-    start, find = GradRouter.start_split, rows.RowCopy.find
-    monkeypatch.setattr(GradRouter, "start_split", lambda self, p, index, plan, **k: splits.append(
-        (len(index), k["on_device"])) or start(self, p, index, plan, **k))  # fmt: skip
+    splits, copies = record_splits(monkeypatch), []
+    find = rows.RowCopy.find
     monkeypatch.setattr(rows.RowCopy, "find", lambda self, index: copies.append(find(self, index)) or copies[-1])
-    deferred, apply_landed, apply_deferred = [], rows.RowSplit.apply_landed, GradRouter.apply_deferred
+    deferred, apply_landed, apply_deferred = [], rows.RowSplit.apply_landed, EmbeddingRows.apply_deferred
     sent, sent_first = threading.Event(), []  # a gather sent rows while the first part ran
 
     def late_rest(self, optimizer, hypers, only):  # a gather that read the rest's rows would find them stale
@@ -505,9 +498,9 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer,
         return apply_deferred(self, first)
 
     monkeypatch.setattr(rows.RowSplit, "apply_landed", late_rest)
-    monkeypatch.setattr(GradRouter, "apply_deferred", fresh_apply_deferred)
-    send = engine_module.SlideEngine._send_host_rows
-    monkeypatch.setattr(engine_module.SlideEngine, "_send_host_rows", lambda *a: sent.set() or send(*a))
+    monkeypatch.setattr(EmbeddingRows, "apply_deferred", fresh_apply_deferred)
+    send = EmbeddingRows.send_host_rows
+    monkeypatch.setattr(EmbeddingRows, "send_host_rows", lambda *a: sent.set() or send(*a))
     write_back = rows.RowSplit.write_back
 
     def slow_write_back(self, optimizer, name, lo, values):  # the next forward comes before the host has the rows
@@ -517,8 +510,12 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer,
 
     monkeypatch.setattr(rows.RowSplit, "write_back", slow_write_back)
     module = CausalLM(tiny_config("llama"), optimizer=optimizer)
-    strategy = dict(num_slots=2, update_schedule=schedule)
-    on_device, _ = fit(module, SlideFormerStrategy(**strategy))
+
+    def strategy(**knobs) -> SlideFormerStrategy:  # chunks of 10 rows, touched rows updated 3 at a time
+        config = EngineConfig(chunk_numel=10 * 32, rows_pass_numel=3 * 32, split_embedding_update=True)
+        return SlideFormerStrategy(num_slots=2, update_schedule=schedule, engine=replace(config, **knobs))
+
+    on_device, _ = fit(module, strategy())
     assert len(splits) == 6  # every step
     assert all(0 < n < VOCAB for n, _ in splits)  # rows of both kinds
     device = schedule == "forward"
@@ -534,44 +531,39 @@ def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer,
         assert sent_first == [True] * 5
     else:
         assert not deferred
-    monkeypatch.setattr(engine_module, "DEVICE_ROW_UPDATE", False)
-    on_cpu, _ = fit(module, SlideFormerStrategy(**strategy))
-    monkeypatch.setattr(engine_module, "DEFER_TOUCHED_ROWS", False)
+    on_cpu, _ = fit(module, strategy(device_row_update=False))
     deferred.clear()
-    undeferred, _ = fit(module, SlideFormerStrategy(**strategy))
+    undeferred, _ = fit(module, strategy(device_row_update=False, defer_touched_rows=False))
     assert not deferred
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", False)
-    one, _ = fit(module, SlideFormerStrategy(**strategy))
+    one, _ = fit(module, strategy(split_embedding_update=False))
     assert all(torch.equal(on_cpu[k], one[k]) for k in one)
     assert all(torch.equal(on_device[k], one[k]) for k in one)
     assert all(torch.equal(undeferred[k], one[k]) for k in one)
 
 
 def test_rows_sent_before_the_deferred_update_wait_for_the_bulk(monkeypatch):
-    # the gather sends the rows outside the last step's touched ones before that step's deferred update (rows.py);
-    # their update is the bulk's. With all but the embedding frozen, nothing else waits for the worker, and a slow
-    # bulk is still running when the next step starts
-    from lightning_slide.engine import engine as engine_module
+    # the gather sends the rows outside the last step's touched ones before that step's deferred update
+    # (embedding.py); their update is the bulk's. With all but the embedding frozen, nothing else waits for the
+    # worker, and a slow bulk is still running when the next step starts
     from lightning_slide.engine import rows
 
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
     bulk = rows.RowSplit.bulk
     monkeypatch.setattr(rows.RowSplit, "bulk", lambda *a: time.sleep(0.3) or bulk(*a))
     gathers = count_deferred_gathers(monkeypatch)
     module = CausalLM(tiny_config("llama"))
     module.requires_grad_(False)
     module.model.model.embed_tokens.requires_grad_(True)
-    deferred, _ = fit(module, SlideFormerStrategy(num_slots=2), steps=4)
+    split = EngineConfig(split_embedding_update=True)
+    deferred, _ = fit(module, SlideFormerStrategy(num_slots=2, engine=split), steps=4)
     assert sum(gathers) == 3  # steps 2 to 4
-    monkeypatch.setattr(engine_module, "DEFER_TOUCHED_ROWS", False)
-    undeferred, _ = fit(module, SlideFormerStrategy(num_slots=2), steps=4)
+    not_deferred = replace(split, defer_touched_rows=False)
+    undeferred, _ = fit(module, SlideFormerStrategy(num_slots=2, engine=not_deferred), steps=4)
     assert all(torch.equal(deferred[k], undeferred[k]) for k in undeferred)
 
 
 def test_touched_rows_are_not_deferred_where_they_would_hold_most_landing_buffers(monkeypatch):
     # deferred, the touched rows' gradients keep their landing buffers into the next step; with a pool of 3 buffers
     # of 10 rows, a batch's ~30 rows would hold them all (and the sender would wait for itself): updated at once
-    from lightning_slide.engine import engine as engine_module
     from lightning_slide.engine import rows
     from lightning_slide.engine.transfer import Transfer
 
@@ -589,16 +581,14 @@ def test_touched_rows_are_not_deferred_where_they_would_hold_most_landing_buffer
 
     monkeypatch.setattr(Transfer, "take_landing", take_or_fail)
 
-    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
-    monkeypatch.setattr(engine_module, "LANDING_BUFFERS", 3)
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
     deferred, apply_landed = [], rows.RowSplit.apply_landed
     monkeypatch.setattr(rows.RowSplit, "apply_landed", lambda self, *a: deferred.append(1) or apply_landed(self, *a))
     module = CausalLM(tiny_config("llama"))
-    split, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule="backward"), steps=3)
+    knobs = EngineConfig(chunk_numel=10 * 32, landing_buffers=3, split_embedding_update=True)
+    split, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule="backward", engine=knobs), steps=3)
     assert not deferred
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", False)
-    one, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule="backward"), steps=3)
+    knobs = replace(knobs, split_embedding_update=False)
+    one, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule="backward", engine=knobs), steps=3)
     assert all(torch.equal(split[k], one[k]) for k in one)
 
 
@@ -606,12 +596,12 @@ def test_touched_rows_are_not_deferred_where_they_would_hold_most_landing_buffer
 def test_the_touched_rows_update_on_the_device_is_in_the_memory_plan(monkeypatch, clip):
     # schedule "forward": the rows' gradient, values and both moments stay on the device from the step's end until
     # their write-back, which may overlap the next backward's peak; the activation plan keeps room for them
-    from lightning_slide.engine import engine as engine_module
+    from lightning_slide.engine import activations, machine
 
     reserved = []
-    plan = engine_module.blocks_to_offload
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1 << 40)  # the planner runs; nothing offloads
-    monkeypatch.setattr(engine_module, "blocks_to_offload", lambda saved, blocks, budget, queued: reserved.append(
+    plan = activations.blocks_to_offload
+    monkeypatch.setattr(machine, "device_budget", lambda device: 1 << 40)  # the planner runs; nothing offloads
+    monkeypatch.setattr(activations, "blocks_to_offload", lambda saved, blocks, budget, queued: reserved.append(
         queued) or plan(saved, blocks, budget, queued))  # fmt: skip
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=1, gradient_clip_val=clip)
     rows = token_data()[:4].unique().numel()  # the first batch's distinct tokens
@@ -620,14 +610,10 @@ def test_the_touched_rows_update_on_the_device_is_in_the_memory_plan(monkeypatch
 
 
 @pytest.mark.parametrize("schedule", ["forward", "backward"])
-def test_nonfinite_embedding_gradient_never_reaches_the_touched_rows(monkeypatch, schedule):
+def test_nonfinite_embedding_gradient_never_reaches_the_touched_rows(schedule):
     # without clipping, a NaN in the embedding's gradient alone stops training before the touched rows' update:
     # "forward", on the device, so it never reaches the host's masters nor the next forward; "backward", deferred to
-    # the next gather (rows.py)
-    from lightning_slide.engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
-
+    # the next gather (embedding.py)
     class NaNIntoEmbedding(CausalLM):
         def training_step(self, batch, batch_idx):
             (ids,) = batch
@@ -638,24 +624,21 @@ def test_nonfinite_embedding_gradient_never_reaches_the_touched_rows(monkeypatch
 
     kept = []
     with pytest.raises(NonFiniteGradientError, match="optimizer step 3 in 'model.model.embed_tokens'"):
-        fit(NaNIntoEmbedding(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule),
-            steps=5, callbacks=[_KeepModule(kept)])  # fmt: skip
+        fit(NaNIntoEmbedding(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule,
+            engine=EngineConfig(split_embedding_update=True)), steps=5, callbacks=[_KeepModule(kept)])  # fmt: skip
     assert all(bool(v.isfinite().all()) for v in kept[0].state_dict().values())
 
 
-def test_embedding_without_gradient_after_its_rows_were_updated_is_an_error(monkeypatch):
-    from lightning_slide.engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
-
+def test_embedding_without_gradient_after_its_rows_were_updated_is_an_error():
     class Detached(CausalLM):
         def training_step(self, batch, batch_idx):
             (ids,) = batch
             embeds = self.model.get_input_embeddings()(ids).detach()
             return self.model(inputs_embeds=embeds, labels=ids).loss
 
+    strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(split_embedding_update=True))
     with pytest.raises(RuntimeError, match="no gradient reached the embedding"):
-        fit(Detached(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=1)
+        fit(Detached(tiny_config("llama")), strategy, steps=1)
 
 
 def test_the_worker_records_its_tasks_when_asked():
@@ -688,21 +671,16 @@ def test_the_worker_records_its_tasks_when_asked():
 def test_auto_split_follows_the_workers_waiting_in_the_second_step(monkeypatch, caplog, waits):
     # "auto": from the third step on, the split runs where the worker waited for the GPU at least as long as the
     # embedding's update took. On the CPU the worker never waits for a device; here it is made to look as if it did.
-    from lightning_slide.engine import engine as engine_module
-    from lightning_slide.engine.grads import GradRouter
     from lightning_slide.engine.worker import CpuWorker
 
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", "auto")
     if waits:
         run = CpuWorker._run
         monkeypatch.setattr(
             CpuWorker, "_run", lambda self, *a: setattr(self, "wait_s", self.wait_s + 1) or run(self, *a)
         )
-    splits = []
-    start = GradRouter.start_split
-    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a, **k: splits.append(1) or start(self, *a, **k))
-    with caplog.at_level("INFO", logger="lightning_slide.engine.engine"):
-        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=5)
+    splits = record_splits(monkeypatch)
+    with caplog.at_level("INFO", logger="lightning_slide.engine.embedding"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=5)  # "auto", the default
     assert len(splits) == (3 if waits else 0)  # steps 3, 4 and 5
     assert ("runs the embedding's update in two parts" in caplog.text) == waits
 
@@ -758,7 +736,7 @@ def test_auto_clips_with_norm_first_when_the_gradients_would_not_fit_ram(monkeyp
             gradient_clip_val=0.5, callbacks=[Plans()])  # fmt: skip
     assert plans["norm-first"].added < plans["forward"].added
     monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: plans["norm-first"].added)
-    with caplog.at_level("INFO", logger="lightning_slide.strategy"):
+    with caplog.at_level("INFO", logger="lightning_slide.placement"):
         _, module = fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), steps=1, gradient_clip_val=0.5,
                         callbacks=[Plans()])  # fmt: skip
     assert "update_schedule='norm-first'" in caplog.text
@@ -766,31 +744,29 @@ def test_auto_clips_with_norm_first_when_the_gradients_would_not_fit_ram(monkeyp
 
 def test_auto_keeps_bf16_gradients_in_bf16_only_when_fp32_ones_would_not_fit_ram(monkeypatch, caplog):
     import lightning_slide.strategy as strategy_module
-    from lightning_slide.engine import engine as engine_module
 
     seen = {}
 
     class Probe(L.Callback):
         def on_train_start(self, trainer, *args):
             engine = trainer.strategy.engine
-            seen.update(plan=engine.host_plan(), schedule=engine.schedule, compact=len(engine.router.compact))
+            seen.update(plan=engine.host_plan(), schedule=engine.schedule, compact=len(engine.updates.compact))
 
-    def run():
+    def run(compact="auto"):
         seen.clear()
-        fit(StackLM(dropout=0.0), SlideFormerStrategy(num_slots=2), steps=1, precision="bf16-mixed",
-            gradient_clip_val=0.5, callbacks=[Probe()])  # fmt: skip
+        strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(compact_retained_grads=compact))
+        fit(StackLM(dropout=0.0), strategy, steps=1, precision="bf16-mixed", gradient_clip_val=0.5,
+            callbacks=[Probe()])  # fmt: skip
         return dict(seen)
 
     wide = run()  # "auto", plenty of RAM: fp32 gradients
-    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)
-    compact = run()
+    compact = run(True)
     assert wide["compact"] == 0 < compact["compact"]
     assert compact["plan"].added < wide["plan"].added
-    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", "auto")
     monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: wide["plan"].added)
     assert run()["compact"] == 0
     monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: wide["plan"].added - 1)
-    with caplog.at_level("INFO", logger="lightning_slide.strategy"):
+    with caplog.at_level("INFO", logger="lightning_slide.placement"):
         picked = run()
     assert (picked["schedule"], picked["compact"]) == ("forward", compact["compact"])
     assert "bf16 gradients in bf16" in caplog.text
@@ -817,17 +793,11 @@ def test_forward_schedule_updates_the_embedding_in_two_parts_exactly(
     monkeypatch, kwargs, strategy_kwargs, callbacks, splits
 ):
     # the rows no token touched are updated while the backward runs; the touched ones keep their gradients in a
-    # buffer of their own until the global norm is known (rows.py, grads.py)
-    from lightning_slide.engine import engine as engine_module
-    from lightning_slide.engine.grads import GradRouter
-
-    monkeypatch.setitem(engine_module.SlideEngine.__init__.__kwdefaults__, "chunk_numel", 10 * 32)
-    started = []
-    start = GradRouter.start_split
-    monkeypatch.setattr(GradRouter, "start_split", lambda self, *a, **k: started.append(1) or start(self, *a, **k))
+    # buffer of their own until the global norm is known (embedding.py)
+    started = record_splits(monkeypatch)
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto", **kwargs)
-    strategy = SlideFormerStrategy(num_slots=2, **strategy_kwargs)
+    strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(chunk_numel=10 * 32), **strategy_kwargs)
     ours, _ = fit(module, strategy, callbacks=callbacks, **kwargs)
     assert len(started) == (6 if splits else 0)
     err, where = max_rel_error(ours, ref)

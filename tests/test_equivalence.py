@@ -38,11 +38,11 @@ def test_fp32_matches_plain_lightning(family, tied, accumulate, clip):
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_one_pass_loss_matches(monkeypatch, clip):
+def test_one_pass_loss_matches(tune, clip):
     # the installed loss's one-pass walk (gradients in the forward, scaled by Lightning's 1/2 in the backward)
     import lightning_slide.kernels.linear_cross_entropy as flce
 
-    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1)
+    tune(flce, one_pass_min_tokens=1)
     module = CausalLM(tiny_config("llama", tied=True))
     kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=clip)
     ref, _ = fit(module, "auto", **kwargs)

@@ -16,8 +16,8 @@ MASKS = pytest.mark.parametrize(
 
 
 @pytest.fixture(params=["triton", "torch"])
-def path(request, monkeypatch):
-    return kernel_path(fa, request.param, monkeypatch)
+def path(request, tune):
+    return kernel_path(fa, request.param, tune)
 
 
 def _qkv(packed: bool, d: int, hq: int = 4, hkv: int = 2, seed: int = 0):
@@ -55,10 +55,10 @@ def _assert_matches_reference(q, k, v, **kwargs):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("walk", ["by-query-head", "group-one-loop", "group-loop-per-head"])
-def test_dkdv_walks_match_fp64_reference(monkeypatch, packed, walk):
+def test_dkdv_walks_match_fp64_reference(monkeypatch, tune, packed, walk):
     # dK/dV run one program per query head and sum the group's partial sums afterwards (few key blocks), or one
     # program per kv head, whose group of query heads shares one loop (few query blocks) or has a loop each
-    kernel_path(fa, "triton", monkeypatch)
+    kernel_path(fa, "triton", tune)
     if walk == "by-query-head":
         monkeypatch.setattr(fa, "_split_below", lambda device: 1 << 30)
     monkeypatch.setattr(fa, "_FLAT_BELOW", triton.language.constexpr(1 << 20 if walk == "group-one-loop" else 0))
@@ -70,10 +70,10 @@ def test_dkdv_walks_match_fp64_reference(monkeypatch, packed, walk):
 @pytest.mark.parametrize(
     ("hq", "pack_gqa"), [(8, 8), (8, 1), (6, 8)], ids=["group4-together", "group4-by-head", "group3"]
 )
-def test_query_heads_per_program_match_fp64_reference(monkeypatch, packed, causal, window, hq, pack_gqa):
-    # the forward and dQ programs hold a group's query heads together (a power of two up to PACK_GQA) or one each
-    kernel_path(fa, "triton", monkeypatch)
-    monkeypatch.setattr(fa, "PACK_GQA", pack_gqa)
+def test_query_heads_per_program_match_fp64_reference(tune, packed, causal, window, hq, pack_gqa):
+    # the forward and dQ programs hold a group's query heads together (a power of two up to pack_gqa) or one each
+    kernel_path(fa, "triton", tune)
+    tune(fa, pack_gqa=pack_gqa)
     cu = CU if packed else None
     _assert_matches_reference(*_qkv(packed, 16, hq=hq, hkv=2), causal=causal, window=window, cu_seqlens=cu)
 
@@ -86,10 +86,10 @@ def test_nothing_crosses_sequences(path):
 
 
 @MASKS
-def test_sequences_of_unequal_block_counts_match_fp64_reference(monkeypatch, causal, window):
+def test_sequences_of_unequal_block_counts_match_fp64_reference(tune, causal, window):
     # 3, 1, 0 and 2 blocks of 32 tokens (5, 2, 0 and 3 of 16; the interpreter's tiles), an empty sequence among them:
     # every program's block range against its own sequence's end
-    kernel_path(fa, "triton", monkeypatch)
+    kernel_path(fa, "triton", tune)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(135, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     cu = torch.tensor([0, 70, 90, 90, 135], dtype=torch.int32)
@@ -173,12 +173,12 @@ def test_new_offsets_in_old_memory_are_checked():
         flash_attention(q, k, v, cu_seqlens=bad)
 
 
-def test_offsets_are_read_on_the_host_once_per_tensor(monkeypatch):
+def test_offsets_are_read_on_the_host_once_per_tensor(monkeypatch, tune):
     # every layer of a step gets the same cu_seqlens; reading them (or their longest sequence) on the host waits
     # for the GPU, so it happens once, not at every call
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    kernel_path(fa, "triton", monkeypatch)
+    kernel_path(fa, "triton", tune)
     q, k, v = (t.float() for t in _qkv(True, 16))
     cu = CU.clone()
     ops = []
@@ -198,8 +198,7 @@ def test_offsets_are_read_on_the_host_once_per_tensor(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_bf16_error_within_twice_sdpa(monkeypatch, packed, d):
-    monkeypatch.setattr(fa, "TRITON_ON_CUDA", True)
+def test_cuda_bf16_error_within_twice_sdpa(packed, d):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, hq, hkv = 2, 1024, 8, 2
     q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for h in (hq, hkv, hkv))

@@ -6,6 +6,7 @@ import torch
 
 from helpers import CausalLM, StackLM, count_deferred_gathers, fit, global_error, max_rel_error, tiny_config, token_data
 from lightning_slide import SlideFormerStrategy
+from lightning_slide.engine import EngineConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -53,13 +54,11 @@ def test_low_arithmetic_intensity_exposes_missing_synchronization(clip, schedule
 
 
 def test_deferred_embedding_rows_on_cuda_match(monkeypatch):
-    # rows.py, "backward" schedule: the touched rows' update waits for the next gather, which sends the other rows
-    # while the worker updates those it reads, then those
-    from lightning_slide.engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "SPLIT_EMBEDDING_UPDATE", True)
+    # embedding.py, "backward" schedule: the touched rows' update waits for the next gather, which sends the other
+    # rows while the worker updates those it reads, then those
     gathers = count_deferred_gathers(monkeypatch)
-    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, update_schedule="backward"), None)
+    split = EngineConfig(split_embedding_update=True)
+    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, update_schedule="backward", engine=split), None)
     assert sum(gathers) == 3  # steps 2 to 4
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -142,14 +141,14 @@ def test_bad_optimizer_fails_before_pinning():
     assert all(b.device.type == "cpu" for b in model.buffers())
 
 
-def test_bf16_mixed_is_the_default_on_cuda():
+def test_precision_follows_the_trainer_on_cuda():
     import lightning as L
 
-    strategy = L.Trainer(strategy="slideformer", accelerator="gpu", devices=1, logger=False).strategy
+    strategy = L.Trainer(strategy="slideformer", accelerator="gpu", precision="bf16-mixed", logger=False).strategy
     assert strategy.precision_plugin.precision == "bf16-mixed"
     assert strategy.root_device.type == "cuda"
-    explicit = L.Trainer(strategy="slideformer", accelerator="gpu", precision="32-true", logger=False).strategy
-    assert explicit.precision_plugin.precision == "32-true"
+    default = L.Trainer(strategy="slideformer", accelerator="gpu", devices=1, logger=False).strategy
+    assert default.precision_plugin.precision == "32-true"  # Lightning's default
 
 
 def test_cpu_run_on_a_cuda_machine_autocasts_on_the_cpu():
@@ -190,7 +189,6 @@ def test_registered_host_memory_trains_exactly_and_is_released(monkeypatch):
 
     from lightning_slide.engine import transfer
 
-    monkeypatch.setattr(transfer, "_REGISTER_MIN_BYTES", 0)  # every host buffer through cudaHostRegister
     calls = {"register": 0, "unregister": 0}
 
     def counted(name, real):
@@ -210,7 +208,7 @@ def test_registered_host_memory_trains_exactly_and_is_released(monkeypatch):
 
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto", accelerator="gpu")
-    strategy = SlideFormerStrategy(num_slots=2)
+    strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(register_min_bytes=0))  # every buffer registered
     ours, _ = fit(module, strategy, accelerator="gpu", callbacks=[Look()])
     assert registered
     assert min(registered) > 0
@@ -223,19 +221,20 @@ def test_registration_failure_is_a_clear_error(monkeypatch):
     from lightning_slide import PinnedMemoryError
     from lightning_slide.engine import transfer
 
-    monkeypatch.setattr(transfer, "_REGISTER_MIN_BYTES", 0)
     monkeypatch.setattr(transfer, "_cuda_register", lambda ptr, nbytes: 2)  # cudaErrorMemoryAllocation
+    strategy = SlideFormerStrategy(engine=EngineConfig(register_min_bytes=0))
     with pytest.raises(PinnedMemoryError, match="ulimit -l"):
-        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)
+        fit(CausalLM(tiny_config("llama")), strategy, accelerator="gpu", steps=1)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_tiled_mlps_on_cuda_match(monkeypatch, precision):
     # every input offloaded and the MLPs tiled (a GPU too small for one block at work), with real streams
-    import lightning_slide.engine.engine as engine_module
+    from lightning_slide.engine import machine
+    from lightning_slide.engine.engine import SlideEngine
 
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1)
-    monkeypatch.setattr(engine_module.SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
+    monkeypatch.setattr(machine, "device_budget", lambda device: 1)
+    monkeypatch.setattr(SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
     module, kwargs = _busy_run(layers=4)
     ref, _ = fit(module, "auto", **kwargs)
     ours, _ = fit(module, SlideFormerStrategy(num_slots=2), precision=precision, **kwargs)

@@ -12,18 +12,16 @@ N, H, V = 37, 19, 1001
 
 
 @pytest.fixture(params=["triton", "torch"])
-def path(request, monkeypatch):
-    monkeypatch.setattr(flce, "_CHUNK_ELEMENTS", N * 300)  # 4 vocabulary chunks of 256 (the last one 233)
-    monkeypatch.setattr(flce, "_MIN_CHUNK_COLS", 1)
-    return kernel_path(flce, request.param, monkeypatch)
+def path(request, tune):
+    tune(flce, chunk_elements=N * 300, min_chunk_cols=1)  # 4 vocabulary chunks of 256 (the last one 233)
+    return kernel_path(flce, request.param, tune)
 
 
 @pytest.fixture(params=["two", "one"])
-def passes(request, monkeypatch):
+def passes(request, tune):
     """The two-pass vocabulary walk, or the one-pass token walk (in chunks of 10 tokens: 10, 10, 10, 7)."""
-    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1 if request.param == "one" else N + 1)
-    monkeypatch.setattr(flce, "_ONE_PASS_CHUNK_ELEMENTS", 10 * V)
-    monkeypatch.setattr(flce, "_MIN_CHUNK_ROWS", 1)
+    tune(flce, one_pass_min_tokens=1 if request.param == "one" else N + 1, one_pass_chunk_elements=10 * V,
+         min_chunk_rows=1)  # fmt: skip
     return request.param
 
 
@@ -122,11 +120,11 @@ def test_a_retained_graph_keeps_the_gradients_and_a_plain_backward_frees_them(pa
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
-def test_one_pass_argument_chooses_the_walk(monkeypatch, one_pass):
+def test_one_pass_argument_chooses_the_walk(monkeypatch, tune, one_pass):
     calls = []
     walk = flce.flce_one_pass
     monkeypatch.setattr(flce, "flce_one_pass", lambda *a: calls.append(1) or walk(*a))
-    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1 if not one_pass else 1 << 30)  # the opposite of the argument
+    tune(flce, one_pass_min_tokens=1 if not one_pass else 1 << 30)  # the opposite of the argument
     hidden, weight, _, target = _inputs(bias=False)
     h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
     fused_linear_cross_entropy(h, w, target, one_pass=one_pass).backward()
@@ -166,12 +164,11 @@ def test_out_of_range_target_is_caught_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
 @pytest.mark.parametrize("triton_on_cuda", [True, False], ids=["triton", "torch"])
-def test_cuda_bf16_error_within_twice_plain_bf16(monkeypatch, triton_on_cuda, one_pass):
+def test_cuda_bf16_error_within_twice_plain_bf16(tune, triton_on_cuda, one_pass):
     import torch.nn.functional as F
 
-    monkeypatch.setattr(flce, "TRITON_ON_CUDA", triton_on_cuda)
-    monkeypatch.setattr(flce, "ONE_PASS_MIN_TOKENS", 1 if one_pass else 1 << 30)
-    monkeypatch.setattr(flce, "_ONE_PASS_CHUNK_ELEMENTS", 1000 * 128256)  # token chunks of 896
+    tune(flce, triton=triton_on_cuda, one_pass_min_tokens=1 if one_pass else 1 << 30,
+         one_pass_chunk_elements=1000 * 128256)  # token chunks of 896  # fmt: skip
     n, h, v = 4096, 4096, 128256
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16()
@@ -199,7 +196,7 @@ def test_cuda_one_pass_only_where_the_gpu_has_room(monkeypatch, room):
     walk = flce.flce_one_pass
     monkeypatch.setattr(flce, "flce_one_pass", lambda *a: calls.append(1) or walk(*a))
     monkeypatch.setattr(flce, "device_room", lambda device: room)
-    n, h, v = flce.ONE_PASS_MIN_TOKENS, 256, 1000
+    n, h, v = flce.Tuning().one_pass_min_tokens, 256, 1000
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = torch.randint(0, v, (n,), device="cuda")

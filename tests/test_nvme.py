@@ -9,6 +9,7 @@ import torch
 from helpers import CausalLM, fit, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy
 from lightning_slide.checkpoint_io import SlideCheckpointIO
+from lightning_slide.engine import EngineConfig
 from lightning_slide.engine.nvme import NvmeStateError
 
 
@@ -177,7 +178,6 @@ def test_too_small_disk_is_refused_before_anything_is_written(tmp_path, monkeypa
 
 @pytest.mark.parametrize("ram", ["plenty", "short"])
 def test_auto_puts_the_state_on_nvme_only_when_ram_is_short(tmp_path, monkeypatch, caplog, ram):
-    import lightning_slide.engine.planner as planner
     import lightning_slide.strategy as strategy_module
 
     on_disk, added = [], []
@@ -192,9 +192,9 @@ def test_auto_puts_the_state_on_nvme_only_when_ram_is_short(tmp_path, monkeypatc
     on_disk.clear()
     if ram == "short":  # one byte less than the state in RAM needs; on disk it needs less (no read-ahead here)
         monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: added[0] - 1)
-        monkeypatch.setattr(planner, "READ_AHEAD_BYTES", 0)
+    strategy = SlideFormerStrategy(num_slots=2, nvme_path=str(tmp_path), engine=EngineConfig(nvme_read_ahead_bytes=0))
     with caplog.at_level("INFO"):
-        ours, _ = fit(module, SlideFormerStrategy(num_slots=2, nvme_path=str(tmp_path)), callbacks=[Look()])
+        ours, _ = fit(module, strategy, callbacks=[Look()])
     assert set(on_disk) == {ram == "short"}
     assert ("keeps the optimizer state on NVMe" in caplog.text) == (ram == "short")
     assert all(torch.equal(ours[k], ref[k]) for k in ref)

@@ -5,6 +5,7 @@ import pytest
 
 from helpers import CausalLM, fit, tiny_config
 from lightning_slide import SlideFormerStrategy
+from lightning_slide.engine import EngineConfig
 from lightning_slide.engine.planner import HostPlan, check_host
 
 
@@ -12,10 +13,7 @@ from lightning_slide.engine.planner import HostPlan, check_host
     ("clip", "accumulate", "precision"),
     [(None, 1, "32-true"), (0.5, 1, "32-true"), (None, 2, "32-true"), (0.5, 1, "bf16-mixed")],
 )
-def test_plan_matches_what_training_allocates(monkeypatch, clip, accumulate, precision):
-    from lightning_slide.engine import engine as engine_module
-
-    monkeypatch.setattr(engine_module, "COMPACT_RETAINED_GRADS", True)  # bf16-mixed, clipped: bf16 gradients
+def test_plan_matches_what_training_allocates(clip, accumulate, precision):
     seen = {}
 
     class Measure(L.Callback):
@@ -24,12 +22,13 @@ def test_plan_matches_what_training_allocates(monkeypatch, clip, accumulate, pre
             seen["plan"] = engine.host_plan()
             state = trainer.optimizers[0].state.values()
             seen["state"] = sum(t.numel() * t.element_size() for s in state for t in s.values() if t.dim() > 0)
-            seen["retained"] = sum(t.numel() * t.element_size() for t in engine.router.host.values())
+            seen["retained"] = sum(t.numel() * t.element_size() for t in engine.updates.host.values())
             seen["masters"] = sum(p.numel() * p.element_size() for p in module.parameters())
 
     module = CausalLM(tiny_config("llama"))
-    fit(module, SlideFormerStrategy(num_slots=2), steps=2, gradient_clip_val=clip, accumulate_grad_batches=accumulate,
-        precision=precision, callbacks=[Measure()])  # fmt: skip
+    compact = EngineConfig(compact_retained_grads=True)  # bf16-mixed, clipped: bf16 gradients
+    fit(module, SlideFormerStrategy(num_slots=2, engine=compact), steps=2, gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate, precision=precision, callbacks=[Measure()])  # fmt: skip
     plan = seen["plan"]
     assert plan.masters == pytest.approx(seen["masters"], rel=0.1)
     assert plan.optimizer_state == pytest.approx(seen["state"], rel=0.1)

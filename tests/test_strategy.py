@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_slide
 from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
 from lightning_slide import SlideFormerPrecision, SlideFormerStrategy
+from lightning_slide.engine import EngineConfig
 
 
 def _loader():
@@ -58,12 +59,13 @@ def test_unsupported_precision_is_a_clear_error(precision):
         ({"update_schedule": "sideways"}, "update_schedule must be"),
         ({"on_nonfinite": "ignore"}, "on_nonfinite must be"),
         ({"cpu_threads": 0}, "cpu_threads must be"),
-        ({"attention": "flash"}, "attention must be 'auto', 'slide' or None"),
+        ({"attention": "flash"}, "attention must be 'auto', 'slide', 'slide_kernel' or None"),
         ({"offload_activations": "sometimes"}, "offload_activations must be True, False or 'auto'"),
+        ({"engine": {"landing_buffers": 8}}, "engine must be a lightning_slide.engine.EngineConfig"),
     ],
 )
 def test_bad_options(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         SlideFormerStrategy(**kwargs)
 
 
@@ -79,10 +81,43 @@ def test_lightning_cli_yaml_class_path(tmp_path):
         "    class_path: lightning_slide.SlideFormerStrategy\n"
         "    init_args:\n"
         "      num_slots: 2\n"
+        "      engine:\n"
+        "        landing_buffers: 8\n"
+        "        split_embedding_update: false\n"
     )
     cli = LightningCLI(StackLM, run=False, args=["--config", str(config)], save_config_kwargs={"overwrite": True})
     assert isinstance(cli.trainer.strategy, SlideFormerStrategy)
     assert cli.trainer.strategy.num_slots == 2
+    assert cli.trainer.strategy.engine_config == EngineConfig(landing_buffers=8, split_embedding_update=False)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("landing_buffers", 0, "a positive int"), ("split_embedding_update", "sometimes", "True, False or 'auto'"),
+     ("device_row_update", "yes", "True or False"), ("nvme_read_ahead_bytes", -1, "int >= 0")],
+)  # fmt: skip
+def test_bad_engine_config_names_the_field(field, value, match):
+    with pytest.raises(ValueError, match=rf"EngineConfig\({field}=\.\.\.\) must be .*{match}"):
+        EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_optimizers_own_step_ends_the_engines_step(clip):
+    # Lightning calls the user's optimizer.step(); its hooks run the engine's step (engine/step.py), so LR schedulers
+    # see a real step (no "lr_scheduler.step() before optimizer.step()" warning) and the hooks go when training ends
+    import warnings
+
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, "auto", gradient_clip_val=clip)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, trained = fit(module, SlideFormerStrategy(num_slots=2), gradient_clip_val=clip)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    optimizer = trained.trainer.optimizers[0]
+    assert not optimizer._optimizer_step_pre_hooks
+    assert not optimizer._optimizer_step_post_hooks
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
 
 
 class _TwoOptimizers(StackLM):
@@ -255,13 +290,14 @@ def test_out_of_memory_in_training_names_the_settings_that_help(monkeypatch):
 
 
 def test_out_of_memory_at_the_end_of_the_step_is_explained_too(monkeypatch):
-    # schedule "forward" sends the embedding's touched rows and their optimizer state up in optimizer_step (rows.py)
-    import lightning_slide.engine.engine as engine_module
+    # schedule "forward" sends the embedding's touched rows and their optimizer state up at the step's end
+    # (embedding.py)
+    from lightning_slide.engine.embedding import EmbeddingRows
 
     def oom(self, split):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
-    monkeypatch.setattr(engine_module.SlideEngine, "_row_state", oom)
+    monkeypatch.setattr(EmbeddingRows, "_row_state", oom)
     with pytest.raises(torch.OutOfMemoryError, match="(?s)Tried to allocate 1.00 GiB.*ran out of GPU memory"):
         fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=3, gradient_clip_val=0.5)
 
@@ -283,8 +319,8 @@ def test_auto_window_is_three_slots_unless_they_crowd_the_gpu(monkeypatch, budge
 
 @pytest.mark.parametrize(("slots", "advice"), [(3, r"Lower SlideFormerStrategy\(num_slots=...\)"), (2, "Free GPU")])
 def test_a_window_beyond_the_gpu_budget_is_refused_naming_what_helps(monkeypatch, slots, advice):
-    import lightning_slide.engine.engine as engine_module
+    from lightning_slide.engine import machine
 
-    monkeypatch.setattr(engine_module, "device_budget", lambda device: 1024)  # what a full GPU would report
+    monkeypatch.setattr(machine, "device_budget", lambda device: 1024)  # what a full GPU would report
     with pytest.raises(torch.OutOfMemoryError, match=rf"window of {slots} block slots.*{advice}"):
         fit(StackLM(), SlideFormerStrategy(num_slots=slots), steps=1)

@@ -1,14 +1,16 @@
 """The sliding-window engine (no Lightning imports here; the strategy is a thin adapter over it)."""
 
-from .engine import EngineStats, SlideEngine, move_except_parameters
-from .grads import NonFiniteGradientError
+from .config import EngineConfig
+from .engine import SlideEngine
 from .optim import SUPPORTED_OPTIMIZERS, CpuOptimizer
 from .transfer import PinnedMemoryError
+from .units import move_except_parameters
+from .updates import NonFiniteGradientError
 
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "CpuOptimizer",
-    "EngineStats",
+    "EngineConfig",
     "NonFiniteGradientError",
     "PinnedMemoryError",
     "SlideEngine",

@@ -9,12 +9,17 @@ transfer side streams, ordered by events; on the CPU they are plain copies throu
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .planner import WORKING_INPUTS, blocks_to_offload, tiling_needed
+from .tiling import TILES
 from .transfer import Transfer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,8 +91,8 @@ class ActivationStash:
             if isinstance(e, _Offloaded) and e.back is None:
                 e.back = torch.empty(e.shape, dtype=e.dtype, device=self.transfer.device)
                 # NOTE: `back` comes from the current stream's pool: its memory may still be read by kernels queued
-                # there (freed tensors are reused in stream order). The upload stream must wait for them too, or
-                # it overwrites live data (NaN gradients at 32k tokens on the H200; tiny tests did not show it).
+                # there (freed tensors are reused in stream order). The upload stream must wait for them too, or it
+                # overwrites live data (tests/test_gpu.py, the busy compute stream).
                 here = self.transfer.record()
                 e.fetched = self.transfer.upload([(e.raw.view(e.dtype).view(e.shape), e.back)], after=(e.saved, here))
 
@@ -99,3 +104,33 @@ class ActivationStash:
                 last_use.synchronize()  # its copy back to the device has finished
             return buffer
         return self.transfer.host_empty(nbytes, torch.uint8)
+
+
+def plan_offload(
+    saved: int, *, blocks: int, offloading: int | None, budget: int | None, reserved: int, can_tile: bool
+) -> tuple[int, bool]:
+    """How many of the first blocks keep their saved inputs (``saved`` bytes each) in host memory, and whether the
+    blocks' MLPs run on slices of the tokens (``tiling.py``); the choices logged.
+
+    Args:
+        blocks: the blocks of the model.
+        offloading: blocks that offload, as asked; ``None`` ("auto"): as few as let the others' inputs, one block at
+            work and ``reserved`` bytes fit the GPU ``budget`` (``None``: off CUDA, where nothing offloads).
+        can_tile: the blocks' MLPs can run tiled; they do where one block at work would not fit even so.
+    """
+    if offloading is None:
+        offloading = blocks_to_offload(saved, blocks, budget, reserved)
+        if offloading:
+            log.info(
+                "SlideFormer offloads the activations of %d of %d blocks (%.2f GiB to host memory): all %d blocks'"
+                " saved inputs (%.2f GiB) and one block at work (~%.2f GiB) exceed the %.2f GiB left on the GPU.",
+                offloading, blocks, saved * offloading / 2**30, blocks, saved * blocks / 2**30,
+                saved * WORKING_INPUTS / 2**30, budget / 2**30,
+            )  # fmt: skip
+    tiling = can_tile and tiling_needed(saved, budget, reserved)
+    if tiling:
+        log.info(
+            "SlideFormer runs the blocks' MLPs on %d slices of the tokens: one block at work (~%.2f GiB) would not fit"
+            " the %.2f GiB left on the GPU.", TILES, saved * WORKING_INPUTS / 2**30, budget / 2**30,
+        )  # fmt: skip
+    return offloading, tiling

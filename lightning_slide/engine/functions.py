@@ -10,21 +10,37 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .grads import Rows
+from .activations import ActivationStash
+from .rows import Contribution
 from .units import Unit, swapped
 
-if TYPE_CHECKING:
-    from .engine import SlideEngine
+
+class UnitHost(Protocol):
+    """What a managed module's node needs from the engine (``SlideEngine`` is one)."""
+
+    device: torch.device
+    dummy: Tensor  # requires grad: makes a unit's node run backward when only its weights need gradients
+    activations: ActivationStash | None
+
+    def acquire(self, unit: Unit) -> list[Tensor]: ...
+
+    def release(self, unit: Unit, *, forward: bool) -> None: ...
+
+    def wants_grad(self, unit: Unit, index: int) -> bool: ...
+
+    def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool: ...
+
+    def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None: ...
 
 
-def run_unit(engine: SlideEngine, unit: Unit, args: tuple, kwargs: dict) -> Any:
+def run_unit(engine: UnitHost, unit: Unit, args: tuple, kwargs: dict) -> Any:
     """Call ``unit``'s module on ``args``/``kwargs`` with its weights on the device."""
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
@@ -46,7 +62,7 @@ def run_unit(engine: SlideEngine, unit: Unit, args: tuple, kwargs: dict) -> Any:
 class _Call:
     """One call of a managed module: what its autograd node needs to replay it."""
 
-    def __init__(self, engine: SlideEngine, unit: Unit, flat: list, spec: Any, positions: list[int]) -> None:
+    def __init__(self, engine: UnitHost, unit: Unit, flat: list, spec: Any, positions: list[int]) -> None:
         self.engine, self.unit, self.spec, self.positions = engine, unit, spec, positions
         tensor_at = set(positions)
         self.leaves = [None if i in tensor_at else x for i, x in enumerate(flat)]
@@ -124,33 +140,3 @@ class _UnitFunction(Function):
         weight_grads = {i: g for i, w in enumerate(weights) if w.requires_grad and (g := next(grad_iter)) is not None}
         engine.after_backward(unit, weight_grads)
         return (None, None, *input_grads)
-
-
-class EmbeddingRowsFunction(Function):
-    """An embedding lookup that moves only the rows of the tokens in the batch.
-
-    Forward gathers the needed fp32 rows on the CPU and sends those; backward sums the output gradient into
-    those rows (a scatter-add) and sends them back. The optimizer still updates every row.
-    """
-
-    @staticmethod
-    def forward(ctx, engine: SlideEngine, unit: Unit, ids: Tensor, dummy: Tensor) -> Tensor:
-        index, inverse, rows = engine.gather_rows(unit, ids, training=True)
-        ctx.engine, ctx.unit = engine, unit
-        ctx.save_for_backward(index, inverse)
-        return rows[inverse]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
-        index, inverse = ctx.saved_tensors
-        width = grad.shape[-1]
-        # NOTE: the op plain nn.Embedding's backward runs, on the positions among the distinct ids: its CUDA kernel
-        # sums each row's contributions in a fixed order (index_add_ adds with atomics: runs differed in the last bits)
-        values = torch.ops.aten.embedding_dense_backward(
-            grad.reshape(-1, width).float(), inverse.reshape(-1), index.numel(), -1, False
-        )
-        padding_idx = ctx.unit.module.padding_idx
-        if padding_idx is not None:
-            values[index == padding_idx] = 0
-        ctx.engine.after_backward(ctx.unit, {0: Rows(index, values)})
-        return None, None, None, None

@@ -4,8 +4,8 @@ each), so that a large parameter (a 128k-row embedding) never has its whole stat
 into pooled, page-aligned buffers ahead of its update (as soon as its gradients are on their way, up to
 ``max_ahead_bytes`` of state in RAM) and written behind it (the blocks waiting to be written hold about as much
 again: the reads queued behind their writes gate the next updates). A few threads do the I/O, several blocks at
-once (one thread reaching the disk one request at a time, checksumming in between, got 1.1 GB/s of the 2.5-3 GB/s
-dd gets on the H200 machine); a block's read waits for the write of that block submitted before it.
+once (one thread, checksumming in between, reached less than half the disk's rate: ``benchmarks/NOTES.md``); a
+block's read waits for the write of that block submitted before it.
 
 With ``masters``, some parameters' fp32 values live in the same blocks under the key ``"param"``: the block's master
 is read and written with its moments, and the parameter itself holds only a compute-dtype copy (``optim.py``).
@@ -37,7 +37,6 @@ from torch import Tensor, nn
 from .transfer import aligned_empty
 
 ALIGN = 4096
-READ_AHEAD_BYTES = 512 << 20  # state read ahead and not yet used, at most
 
 
 class NvmeStateError(RuntimeError):
@@ -114,7 +113,7 @@ class NvmeStateStore:
         *,
         masters: frozenset[nn.Parameter] = frozenset(),
         chunk_numel: int,
-        max_ahead_bytes: int = READ_AHEAD_BYTES,
+        max_ahead_bytes: int = 512 << 20,
         io_threads: int = 4,
     ) -> None:
         self.keys = keys

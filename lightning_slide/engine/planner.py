@@ -1,5 +1,6 @@
-"""The host-memory plan of a SlideFormer run, computed before anything is pinned or allocated, and checked against
-the machine: the RAM the process may still take and the locked-memory limit (``ulimit -l``) for pinned buffers.
+"""The memory plan of a SlideFormer run, computed before anything is pinned or allocated: pure arithmetic on what it
+is given (the machine's figures come from ``machine.py``), checked against the RAM the process may still take and the
+locked-memory limit (``ulimit -l``) for pinned buffers.
 
 What the run adds to the host on top of the model it was given (whose parameters are already in RAM):
 optimizer state (AdamW/Adam: 8 bytes per trainable parameter, +4 with amsgrad; SGD with momentum: 4), retained
@@ -10,15 +11,12 @@ at a time.
 
 from __future__ import annotations
 
-import os
-import resource
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..kernels.linear_cross_entropy import device_room
-from .nvme import READ_AHEAD_BYTES, page_aligned, row_numel, rows_per_block
+from .nvme import page_aligned, row_numel, rows_per_block
 
 GIB = 2**30
 
@@ -59,6 +57,7 @@ def plan_host(
     pinned: bool,
     frozen_bytes_per_element: dict[nn.Parameter, int] | None = None,
     state_block_numel: int | None = None,
+    read_ahead_bytes: int = 0,
     disk_masters: list[nn.Parameter] = (),
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
@@ -67,6 +66,7 @@ def plan_host(
         compact_grads: parameters whose retained gradients are kept in bf16.
         frozen_bytes_per_element: element sizes that parameters will be stored with, where they differ from now.
         state_block_numel: with the optimizer state on disk, the elements of its row blocks (``None``: in RAM).
+        read_ahead_bytes: with the optimizer state on disk, what its store reads ahead at most.
         disk_masters: parameters whose fp32 masters are on disk too, in the state's blocks (their copy in RAM is
             given by ``frozen_bytes_per_element``).
     """
@@ -89,7 +89,7 @@ def plan_host(
         disk = sum(page_aligned(p.numel() * 4) for p in trainable) * per
         disk += sum(page_aligned(p.numel() * 4) for p in disk_masters)
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
-        state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * READ_AHEAD_BYTES)
+        state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * read_ahead_bytes)
     retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable) if retain_grads else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     locked = masters + retained + landing_bytes if pinned else 0
@@ -102,32 +102,6 @@ def _state_per_fp32(optimizer: torch.optim.Optimizer) -> int:
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if any(g.get("momentum") for g in groups) else 0
     return 3 if any(g.get("amsgrad") for g in groups) else 2
-
-
-def available_host_bytes() -> int:
-    """RAM this process may still take: the kernel's MemAvailable, within the cgroup's limit if there is one."""
-    available = None
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                available = min(available, int(limit) - int(f.read()))
-    except OSError:
-        pass
-    return available if available is not None else 1 << 62
-
-
-def locked_memory_limit() -> int | None:
-    """The soft ``ulimit -l`` in bytes, or ``None`` if unlimited (root usually is)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
-        return None
-    return soft
 
 
 def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: int | None = None) -> None:
@@ -161,17 +135,10 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
 
 # One block at work in backward, in units of its saved input (tokens x hidden, fp32 residual stream): its recompute
 # and backward (the MLP's bf16 intermediates, ~3.5x the hidden width each, attention's q/k/v/o, the norms, their
-# gradients), its input and the next one's fetched ahead, and the gradient flowing in. From the H200 run of the
-# Llama-3.1-8B shape at 32k tokens with every input offloaded: 13.9 GiB peak = ~9.5 GiB of these (19 inputs of
-# 0.5 GiB) + the window, the head and the gradients queued to leave. With the first 13 offloaded (as this estimate
-# and the margin chose), the same run peaked at 21.6 GiB allocated, 22.9 GiB reserved, of its 24 GiB cap.
+# gradients), its input and the next one's fetched ahead, and the gradient flowing in. Fitted to the Llama-3.1-8B
+# shape at 32k tokens (benchmarks/NOTES.md, "Activation memory").
 WORKING_INPUTS = 19
 _DEVICE_MARGIN = 0.95  # of the budget: the allocator's rounding and fragmentation
-
-
-def device_budget(device: torch.device) -> int | None:
-    """:func:`~lightning_slide.kernels.linear_cross_entropy.device_room` on CUDA; ``None`` off CUDA."""
-    return device_room(device) if device.type == "cuda" else None
 
 
 def _room_for_inputs(saved_bytes: int, budget: int, reserved_bytes: int) -> int:

@@ -1,36 +1,17 @@
-"""The embedding's update in two parts: the rows the step's tokens touched, and all the others.
+"""Row arithmetic of the embedding's update, run on the CPU worker (``embedding.py`` decides when).
 
 A batch touches few rows of the input embedding, yet the optimizer updates every row: Adam's moments decay and
 weight decay applies where the gradient is zero. The update of an untouched row depends only on its state and the
 step's hyperparameters, not on the gradient, so it can run as soon as the step is known to have a backward pass:
 
-- **bulk** (when the backward starts): every row's update with a zero gradient, chunk by chunk; the touched rows of
-  each chunk are saved before and put back after, so they keep their state.
-- **touched rows** (when their gradients arrive, the last of the backward pass; with the "forward" schedule, once
-  the global norm is known): only those rows move to the host, and their update runs on them gathered, then they
-  are scattered back.
-
-**Deferred** (the "backward" schedule, ``RowSplit(defer=True)``): the touched rows' gradients stay in their landing
-buffers and their update waits for the next step's first gather of rows, which knows the rows it reads. The worker
-first updates the rows that gather shares with this step, the gather sends its other rows meanwhile (rows outside
-this step's are final once its bulk has run) and waits only for those, and the rest are updated while the forward
-runs (the worker has nothing else to update then). At 32k uniform token ids, consecutive steps share ~22 % of their
-~29k rows; the whole update (~56 ms on the H200's host) was what the next forward waited for at every step's start,
-after block 0's update (a trace of bench_core.py).
+- **bulk** (:meth:`RowSplit.bulk`): every row's update with a zero gradient, chunk by chunk; the touched rows of each
+  chunk are saved before and put back after, so they keep their state.
+- **touched rows** (:meth:`RowSplit.apply`): only those rows' values and state are gathered, updated with their
+  gradients by the same fused kernel, and scattered back.
 
 Both parts are the same elementwise kernel as one update of the whole matrix, on the same values, so the result is
-identical (tests/test_engine.py checks it bitwise). The embedding was the last update of the backward pass and the
-first weight the next forward needs: at 32k tokens its whole-matrix update left the GPU idle ~0.1 s at the start of
-every step (a trace of bench_core.py).
-
-**On the device** (the "forward" schedule, ``RowSplit(on_device=True)``): once the global norm is known, the touched
-rows' values and optimizer state go up, the same fused kernel updates them on the device, and the next step's forward
-takes the rows it shares with this step from that device copy (``RowCopy``). The worker writes the update back into
-the host's copies after the updates the next forward waits for. So the worker, whose updates that forward waits for
-block by block, no longer starts with this one (~80 ms at 32k tokens, bench_rows_update.py on the H200's host). The
-rows outside the step's are final once the bulk has run, and the write-back touches only the step's rows, so the next
-forward reads the host's rows outside them meanwhile. On a GPU that update is torch's CUDA kernel: the same
-arithmetic, not the same last bits; on the CPU the same bits (the tests run it there).
+identical (``tests/test_engine.py`` checks it bitwise). On the device (:meth:`RowSplit.update_on_device`) that update
+is torch's CUDA kernel: the same arithmetic, not the same last bits; on the CPU the same bits.
 """
 
 from __future__ import annotations
@@ -43,10 +24,16 @@ from torch import Tensor, nn
 
 from .optim import CpuOptimizer, Hypers
 
-# Elements of each tensor the touched rows' CPU update gathers, updates and scatters at a time. Smaller passes keep
-# the rows in cache between the three, which paid on a 2-core Xeon (2 M: 0.82x the time of 8 M) but not on the H200's
-# 16-core host (2 M: 1.10x; 1 M: 1.18x), where the step is measured (benchmarks/bench_rows_update.py).
-PASS_NUMEL = 1 << 23
+
+@dataclass
+class Rows:
+    """A gradient that is non-zero only in some rows: ``values[i]`` belongs to row ``index[i]``."""
+
+    index: Tensor  # (U,) int64, on the device
+    values: Tensor  # (U, ...) fp32, on the device
+
+
+Contribution = Tensor | Rows  # what one backward gives a parameter: a whole gradient, or some of its rows
 
 
 class RowSplit:
@@ -56,12 +43,11 @@ class RowSplit:
         param: the embedding weight (fp32 master, rows first).
         index: the distinct touched rows, sorted (host, int64).
         chunk_numel: elements per chunk of either part.
-        scratch: host buffers kept across steps, filled here on first use. NOTE: gathering rows into a fresh
-            tensor is dominated by its page faults (index_select ran at 7 GB/s into a new tensor, 27 GB/s into a
-            kept one, on 2 cores); a first version that allocated them cost the CPU worker 0.44 s more per step at
-            32k tokens on the H200.
-        on_device: update the touched rows on the device (module docstring); ``state`` is set before that.
-        defer: the touched rows' update waits for the next gather (module docstring).
+        pass_numel: elements of each tensor the touched rows' update gathers at a time.
+        scratch: host buffers kept across steps, filled here on first use. NOTE: kept, because gathering rows into
+            a fresh tensor is dominated by its page faults (``benchmarks/NOTES.md``).
+        on_device: update the touched rows on the device (``embedding.py``); ``state`` is set before that.
+        defer: the touched rows' update waits for the next gather (``embedding.py``).
     """
 
     def __init__(
@@ -69,6 +55,7 @@ class RowSplit:
         param: nn.Parameter,
         index: Tensor,
         chunk_numel: int,
+        pass_numel: int,
         scratch: dict[str, Tensor],
         *,
         on_device: bool,
@@ -77,8 +64,9 @@ class RowSplit:
         self.param = param
         self.index = index
         self.rows_per_chunk = max(1, chunk_numel // param[0].numel())
-        self.received = False  # the touched rows' gradients reached the router
-        self.grad: Tensor | None = None  # the "forward" schedule: those gradients, kept until the update (grads.py)
+        self.pass_numel = pass_numel
+        self.received = False  # the touched rows' gradients reached the sender
+        self.grad: Tensor | None = None  # the "forward" schedule: those gradients, kept until the update (embedding.py)
         self.on_device = on_device
         # on the device: the touched rows of each of `optimizer.state_like`'s tensors, uploaded before the update
         self.state: dict[str, Tensor] | None = None
@@ -90,7 +78,7 @@ class RowSplit:
 
     def _pass_rows(self) -> int:
         # rows the touched rows' update gathers at a time
-        return max(1, PASS_NUMEL // self.param[0].numel())
+        return max(1, self.pass_numel // self.param[0].numel())
 
     def _buffer(self, name: str) -> Tensor:
         # rows for a bulk chunk or a pass of the touched rows' update, whichever is more

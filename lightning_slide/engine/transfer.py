@@ -25,7 +25,6 @@ class PinnedMemoryError(RuntimeError):
     """Host memory could not be pinned."""
 
 
-_REGISTER_MIN_BYTES = 1 << 20  # smaller buffers come from torch's pinned allocator (its rounding is negligible)
 STAGES = 3  # device staging chunks each way: uploads that convert, gradients (see Transfer)
 
 
@@ -51,20 +50,24 @@ class Transfer:
         device: the compute device.
         chunk_numel: elements per staging chunk; large tensors move chunk by chunk through fixed buffers.
         landing_buffers: number of host landing buffers (each ``chunk_numel`` fp32) for gradients.
+        register_min_bytes: pinned buffers from this size are registered pages; smaller ones come from torch's pinned
+            allocator (its rounding up to a power of two is negligible there).
     """
 
-    def __init__(self, device: torch.device, *, chunk_numel: int, landing_buffers: int) -> None:
+    def __init__(
+        self, device: torch.device, *, chunk_numel: int, landing_buffers: int, register_min_bytes: int = 1 << 20
+    ) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.chunk_numel = chunk_numel
         self.landing_count = landing_buffers
+        self.register_min_bytes = register_min_bytes
         self.upload_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.download_stream = torch.cuda.Stream(device) if self.is_cuda else None
         # NOTE: uploads convert fp32 masters to bf16 on the device (PCIe has room to spare; the CPU does not), and
         # gradients leave upcast to fp32. Both conversions run through rings of staging chunks, on high-priority
-        # streams of their own, so a copy need not wait for the conversion before it: with one staging chunk on the
-        # copy's stream, each copy waited for a conversion that itself waited for SMs held by the compute stream's
-        # matmuls, and uploads moved at ~34 GB/s instead of ~53 (a trace of bench_core.py at 32k).
+        # streams of their own, so a copy need not wait for a conversion that waits for SMs held by the compute
+        # stream's matmuls (benchmarks/NOTES.md, "Staging rings").
         self._up_convert = torch.cuda.Stream(device, priority=-1) if self.is_cuda else None
         self._up_stages = _StagingRing(STAGES, chunk_numel, device) if self.is_cuda else None
         self._down_convert = torch.cuda.Stream(device, priority=-1) if self.is_cuda else None
@@ -80,7 +83,7 @@ class Transfer:
             return torch.empty(numel, dtype=dtype)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         try:
-            if nbytes < _REGISTER_MIN_BYTES:
+            if nbytes < self.register_min_bytes:
                 return torch.empty(numel, dtype=dtype, pin_memory=True)
             return self._register(nbytes).view(dtype)
         except RuntimeError as err:
@@ -89,6 +92,21 @@ class Transfer:
                 " limit) and free RAM, or lower the memory the run needs (fewer window slots, a smaller landing"
                 " pool)."
             ) from err
+
+    def pin(self, params: list[torch.nn.Parameter]) -> None:
+        """Move ``params`` (one unit's, all on the host) into pinned memory, one flat buffer per dtype (fp32 masters,
+        bf16 frozen weights); pinned already (e.g. a second fit() of the same module): left as they are."""
+        if not params or all(p.is_pinned() for p in params):
+            return
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            group = [p for p in params if p.dtype == dtype]
+            flat = self.host_empty(sum(p.numel() for p in group), dtype)
+            offset = 0
+            for p in group:
+                view = flat[offset : offset + p.numel()].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+                offset += p.numel()
 
     def _register(self, nbytes: int) -> Tensor:
         # Whole pages of a private allocation are registered, so no page is shared with another buffer (a page

@@ -1,4 +1,5 @@
-"""Units: the groups of parameters that travel to the device together, and the device memory they land in."""
+"""Units: the groups of parameters that travel to the device together, how a model splits into them, and the device
+memory they land in."""
 
 from __future__ import annotations
 
@@ -114,3 +115,68 @@ def max_sizes(units: list[Unit]) -> dict[torch.dtype, int]:
         for dtype, n in unit.numel.items():
             sizes[dtype] = max(sizes.get(dtype, 0), n)
     return sizes
+
+
+def collect_units(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    compute_dtype: torch.dtype,
+    embedding: tuple[str, nn.Embedding] | None = None,
+    head: tuple[str, nn.Linear] | None = None,
+) -> tuple[Unit | None, list[Unit], Unit | None, list[Unit]]:
+    """The units of ``model``: its embedding (fp32 rows), its blocks, its head, and every other module that holds
+    parameters of its own (the leftovers: the final norm, a plain model's pieces), with each shared parameter owned
+    by one of them.
+
+    Raises:
+        ValueError: a leftover also holds blocks (its own parameters could not be streamed apart from them).
+    """
+    emb = Unit(embedding[0], embedding[1], torch.float32) if embedding else None
+    stack = [Unit(name, module, compute_dtype) for name, module in blocks]
+    top = Unit(head[0], head[1], compute_dtype) if head else None
+    named = [u for u in (emb, *stack, top) if u is not None]
+    taken = {m for u in named for m in u.module.modules()}
+    leftovers = [
+        Unit(name, m, compute_dtype, recurse=False)
+        for name, m in model.named_modules()
+        if m not in taken and any(p is not None for p in m._parameters.values())
+    ]
+    unit_modules = {u.module for u in named}
+    for unit in leftovers:
+        nested = [name for name, m in unit.module.named_modules() if m in unit_modules]
+        if nested or unit.module is model:
+            where = f"'{unit.name}'" if unit.name else "the LightningModule itself"
+            raise ValueError(
+                f"{where} registers parameters of its own and also holds streamed blocks ({nested[:3]}...)."
+                " SlideFormer streams such parameters only from a leaf of the model: move them into a"
+                " submodule (e.g. an nn.Linear) that the forward calls."
+            )
+    # NOTE: a parameter used by several units (tied input/output embeddings) is owned by the first of them in forward
+    # order, whose backward comes last; the others' gradients wait for it, so it moves and updates once with the sum.
+    owner_of: dict[nn.Parameter, Unit] = {}
+    for unit in in_forward_order(emb, stack, top, leftovers):
+        for i, p in enumerate(unit.params):
+            unit.owner[i] = owner_of.setdefault(p, unit)
+    return emb, stack, top, leftovers
+
+
+def in_forward_order(
+    embedding: Unit | None, blocks: list[Unit], head: Unit | None, leftovers: list[Unit]
+) -> list[Unit]:
+    """All units in the order a causal LM's forward meets them."""
+    return ([embedding] if embedding else []) + blocks + leftovers + ([head] if head else [])
+
+
+def move_except_parameters(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for everything but parameters: buffers, metric states, the module's device."""
+    saved = []
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                saved.append((m, name, p))
+                m._parameters[name] = None
+    try:
+        module.to(device)
+    finally:
+        for m, name, p in saved:
+            m._parameters[name] = p

@@ -1,0 +1,78 @@
+"""``EngineConfig``: every knob of the engine's mechanism, with its default and why.
+
+The user's choices (window size, update schedule, offloading, NVMe) are ``SlideFormerStrategy``'s arguments; these
+fields are the mechanism underneath, for benchmarks, tests and users tuning a machine:
+``SlideFormerStrategy(engine=EngineConfig(landing_buffers=16))``, or in LightningCLI YAML
+``init_args: {engine: {split_embedding_update: false}}``. How each default was measured: ``benchmarks/NOTES.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Auto = Literal["auto"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs.
+
+    Args:
+        chunk_numel: fp32 elements per transfer chunk (32 MiB): gradients leave the device, and uploads convert, a
+            chunk at a time through fixed staging buffers.
+        landing_buffers: pinned host chunks for gradients on their way to the CPU optimizer. More let the backward
+            run further ahead of the optimizer; each costs ``4 * chunk_numel`` bytes of pinned RAM.
+        nvme_landing_buffers: the same, with the optimizer state on NVMe (the disk sets the pace there).
+        offload_landing_buffers: the same, once activations are offloaded (their host memory is worth more).
+        max_queued_grad_bytes: device memory the gradients waiting to leave may hold before the backward waits.
+        rows_stage_numel: fp32 elements per pinned staging buffer (two of them) for the embedding rows a forward
+            reads.
+        rows_pass_numel: elements of each tensor the touched embedding rows' CPU update gathers at a time.
+        split_embedding_update: update the embedding's untouched rows when the backward starts and its touched rows
+            when their gradients arrive (``embedding.py``); ``"auto"``: with schedule "forward" always, with
+            "backward" when the CPU worker waited for the GPU in the second step at least as long as the embedding's
+            update takes.
+        device_row_update: schedule "forward": update the split embedding's touched rows on the device, and let the
+            next forward read them there, so the CPU worker does not start the next step with them.
+        defer_touched_rows: schedule "backward": the split embedding's touched rows are updated when the next
+            forward gathers its rows, those it reads first, instead of at the end of the backward.
+        compact_retained_grads: schedule "forward" without accumulation: keep the retained gradients of the matrices
+            computed with in bf16 in bf16 (2 bytes per parameter instead of 4; a slower CPU update). ``"auto"``: only
+            where fp32 ones would not fit the RAM available.
+        nvme_read_ahead_bytes: the NVMe tier's optimizer state read ahead of its updates and not yet used, at most
+            (RAM that keeps the disk busy; 0: one block at a time).
+        register_min_bytes: pinned host buffers from this size are pinned by registering their pages with the driver;
+            smaller ones come from torch's pinned allocator (which rounds each request up to a power of two).
+    """
+
+    chunk_numel: int = 1 << 23
+    landing_buffers: int = 32
+    nvme_landing_buffers: int = 16
+    offload_landing_buffers: int = 16
+    max_queued_grad_bytes: int = 1 << 30
+    rows_stage_numel: int = 1 << 23
+    rows_pass_numel: int = 1 << 23
+    split_embedding_update: bool | Auto = "auto"
+    device_row_update: bool = True
+    defer_touched_rows: bool = True
+    compact_retained_grads: bool | Auto = "auto"
+    nvme_read_ahead_bytes: int = 512 << 20
+    register_min_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_numel", "landing_buffers", "nvme_landing_buffers", "offload_landing_buffers",
+                     "max_queued_grad_bytes", "rows_stage_numel", "rows_pass_numel"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig({name}=...) must be a positive int; got {value!r}.")
+        for name in ("nvme_read_ahead_bytes", "register_min_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"EngineConfig({name}=...) must be an int >= 0; got {value!r}.")
+        for name in ("split_embedding_update", "compact_retained_grads"):
+            if (value := getattr(self, name)) not in (True, False, "auto"):
+                raise ValueError(f"EngineConfig({name}=...) must be True, False or 'auto'; got {value!r}.")
+        for name in ("device_row_update", "defer_touched_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig({name}=...) must be True or False; got {getattr(self, name)!r}.")

@@ -1,0 +1,213 @@
+"""One optimizer step, from its start to its last update queued: the ``Step`` object owns it.
+
+    user's optimizer.step(closure)          (Lightning calls it once per optimizer step)
+      pre-hook    -> Step.begin             the hyperparameters in force are frozen into a StepPlan
+      closure     -> training_step, then Step.backward per micro-batch (the embedding's bulk update starts;
+                     "norm-first" runs its measuring pass first), gradients leave block by block (after_backward)
+                  -> Step.grads_ready       ("forward": every gradient is on the host, shown as param.grad)
+                  -> hooks, Step.clip       (the global norm sets the clipping coefficient)
+                  -> Step.grads_taken       (param.grad hidden again: the optimizer's own update finds none)
+      post-hook   -> Step.finish            ("forward": the updates queued in forward order)
+
+The schedules themselves are described in ``engine.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .activations import ActivationStash
+from .embedding import EmbeddingRows
+from .grads import GradSender
+from .optim import CpuOptimizer
+from .rows import Contribution
+from .units import Unit
+from .updates import StepPlan, Updates
+from .window import Window
+from .worker import CpuWorker
+
+log = logging.getLogger(__name__)
+
+
+class Step:
+    """The optimizer step of a training run (module docstring).
+
+    Args:
+        schedule: the update schedule (``engine.py``).
+        on_nonfinite: ``"raise"`` or ``"skip"`` a step whose global norm is not finite.
+        optimizer, updates, sender, worker, window: the engine's parts.
+        rows: the embedding's rows (``None``: no streamed embedding).
+        activations: the stash of offloaded block inputs (``None``: none offloaded).
+        forward_units: every unit in forward order (the update order of units no training forward met).
+    """
+
+    def __init__(
+        self,
+        *,
+        schedule: Literal["backward", "forward", "norm-first"],
+        on_nonfinite: Literal["raise", "skip"],
+        optimizer: CpuOptimizer,
+        updates: Updates,
+        sender: GradSender,
+        worker: CpuWorker,
+        window: Window,
+        rows: EmbeddingRows | None,
+        activations: ActivationStash | None,
+        forward_units: list[Unit],
+    ) -> None:
+        self.schedule, self.on_nonfinite = schedule, on_nonfinite
+        self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
+        self.window, self.rows, self.activations = window, rows, activations
+        self._forward_units = forward_units
+        self.plan: StepPlan | None = None  # set from begin to finish
+        self._measuring = False  # "norm-first": the backward pass running sums squares only
+        self._norm_first_max = 0.0  # "norm-first": the max norm the step was clipped at
+
+    def attach(self, step_number: Callable[[], int]) -> Callable[[], None]:
+        """Hook the user's optimizer: its ``step()`` begins this step (before the closure runs the last micro-batch)
+        and ends it. Returns a function that removes the hooks.
+
+        Args:
+            step_number: the optimizer step being taken (for messages).
+        """
+        user = self.optimizer.optimizer
+        handles = [
+            user.register_step_pre_hook(lambda *_: self.begin(step_number())),
+            user.register_step_post_hook(lambda *_: self.finish()),
+        ]
+        return lambda: [h.remove() for h in handles]
+
+    def begin(self, step: int) -> None:
+        """The step begins: the hyperparameters in force now are the ones applied."""
+        if self.activations is not None:
+            self.activations.reset()
+        self.worker.raise_if_failed()
+        self.plan = StepPlan(step=step, hypers=self.optimizer.snapshot())
+        if self.rows is not None:
+            self.rows.begin_step()
+
+    def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None:
+        """``unit``'s backward produced these gradients (by parameter index): on their way."""
+        if self.rows is not None and unit is self.rows.unit:
+            self.rows.received()
+        if self._measuring:
+            self.sender.measure(unit, grads)
+            return
+        start = time.perf_counter()
+        self.sender.push(unit, grads, self.plan if self.schedule != "forward" else None)
+        self.window.stats.wait_send_s += time.perf_counter() - start
+
+    def backward(self, run: Callable[..., None], max_norm: float | None = None) -> None:
+        """Run a micro-batch's backward pass, ``run(**kwargs)`` (Lightning's ``LightningModule.backward``).
+
+        Where exact, the embedding's rows the step did not touch are updated as it starts (``embedding.py``). With
+        "norm-first", a first pass over the retained graph only sums the gradients' squares; the clipping at
+        ``max_norm`` follows, and the second pass streams the clipped updates (skipped for a non-finite norm with
+        ``on_nonfinite="skip"``).
+        """
+        if self.rows is not None and self.plan is not None:
+            self.rows.start(self.plan)
+        if self.schedule == "norm-first" and self.plan is not None:
+            self._measuring = True
+            if self.activations is not None:
+                self.activations.keep = True
+            run(retain_graph=True)
+            self._measuring = False
+            if self.activations is not None:
+                self.activations.keep = False
+            self.sender.flush_measure()
+            self._norm_first_max = max_norm
+            self._clip_by(self.updates.global_norm(self._update_order_params()), max_norm)
+            if self.plan.skip:
+                return
+        run()
+
+    def grads_ready(self) -> None:
+        """The step's backward is done. With the "forward" schedule, wait until every gradient is on the host and
+        show them as ``param.grad`` (hooks and clipping read them there), but for a split embedding's."""
+        if self.rows is not None:
+            self.rows.check_received()
+        self.sender.flush(self.plan if self.schedule != "forward" else None)
+        if self.schedule != "forward":
+            return
+        self.sender.drain()
+        self.worker.drain()
+        split = self.rows.split if self.rows is not None else None
+        for p in self.updates.pending:
+            if split is not None and p is split.param:  # its touched rows only, in a buffer of their own
+                continue
+            if p in self.updates.compact:  # bf16, and no hook reads it
+                continue
+            if p.dtype == torch.float32 or getattr(p, "grad_dtype", p.dtype) is None:  # see SlideEngine.setup
+                p.grad = self.updates.host[p]
+
+    def grads_taken(self) -> None:
+        """Hooks and clipping are done with ``param.grad``: hidden again, so the optimizer's own update finds none
+        (the engine applies it)."""
+        if self.schedule == "forward":  # the only schedule that shows them
+            for p in self.updates.pending:
+                p.grad = None
+
+    def clip(self, value: float, algorithm: Literal["norm", "value"]) -> float | None:
+        """Clip this step's gradients, exactly as ``torch.nn.utils.clip_grad_norm_`` (returns the global norm) or
+        ``clip_grad_value_``."""
+        if not (self.schedule == "forward" or (self.schedule == "norm-first" and algorithm == "norm")):
+            raise RuntimeError(
+                f"Gradient clipping by {algorithm} was requested, but the 'backward' update schedule has already"
+                " applied the updates. Use SlideFormerStrategy(update_schedule='forward') (chosen automatically when"
+                " Trainer(gradient_clip_val=...) is set)."
+            )
+        if algorithm == "value":
+            self.plan.clip_value = float(value)
+            return None
+        if self.schedule == "norm-first":  # applied already, by the second backward pass
+            if value != self._norm_first_max:
+                raise RuntimeError(
+                    f"update_schedule='norm-first' clipped this step at {self._norm_first_max} (Trainer's"
+                    f" gradient_clip_val when the backward ran), but clipping was asked at {value}. Change the"
+                    " clipping value through Trainer(gradient_clip_val=...) only, or use update_schedule='forward'."
+                )
+            return self.plan.norm
+        return self._clip_by(self.updates.global_norm(self._update_order_params()), value)
+
+    def _clip_by(self, total: float, max_norm: float) -> float:
+        plan = self.plan
+        if not math.isfinite(total) and self.on_nonfinite == "skip":
+            log.warning("Skipping optimizer step %d: the gradient norm is %s.", plan.step, total)
+        self.updates.clip_by_norm(plan, total, max_norm, skip_nonfinite=self.on_nonfinite == "skip")
+        plan.norm = total
+        return total
+
+    def _update_order_params(self) -> list[nn.Parameter]:
+        return [p for u in self._update_order() for p, o in zip(u.params, u.owner) if o is u]
+
+    def _update_order(self) -> list[Unit]:
+        order = self.window.order
+        return list(order) + [u for u in self._forward_units if u not in order]
+
+    def finish(self) -> None:
+        """The step ends: with the "forward" schedule, its updates are queued in forward order."""
+        plan, self.plan = self.plan, None
+        # NOTE: with the "backward" schedule the sender queues each unit's update; the next forward must see them
+        # all queued before it waits on them.
+        self.sender.drain()
+        split = self.rows.split if self.rows is not None else None
+        if plan.skip:
+            self.updates.discard()
+        elif self.schedule == "forward":
+            if split is not None:
+                self.rows.prepare_update()
+            for unit in self._update_order():
+                touched = split is not None and unit is self.rows.unit
+                self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
+                                      run=self.rows.update_touched if touched else None)  # fmt: skip
+        self.updates.updated.clear()
+        if self.rows is not None:
+            self.rows.end_step()

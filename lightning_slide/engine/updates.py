@@ -1,0 +1,272 @@
+"""The step's updates: what an optimizer step applies (``StepPlan``), the gradients kept on the host for it, the
+global norm and clipping, and the update tasks the CPU worker runs.
+
+Two ways a gradient reaches its update (``grads.py`` moves it):
+
+- **streamed** (schedules "backward" and "norm-first", no accumulation): each chunk lands in a pinned buffer from a
+  pool and the worker applies the optimizer to those rows at once (:meth:`Updates.apply_chunk`). No full gradient ever
+  exists in host memory.
+- **retained** (accumulation, or schedule "forward" for exact global-norm clipping): gradients are kept in host
+  buffers (:attr:`Updates.host`) for the whole accumulation window. The first contribution is copied straight into
+  them, later ones are added by the worker (:meth:`Updates.absorb_chunk`); :meth:`Updates.schedule` queues the update
+  once the window is complete. ``compact`` parameters (one bf16 contribution per window) keep theirs in bf16, which
+  holds it exactly; the update widens it to fp32 a chunk at a time. One that receives a second contribution (a block
+  that ran twice) is widened to fp32 for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .optim import CpuOptimizer, Hypers
+from .transfer import Transfer
+from .units import Unit
+from .worker import CpuWorker
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf; it was not applied."""
+
+
+def nonfinite_message(step: int, name: str) -> str:
+    return (
+        f"Non-finite gradient (NaN or Inf) at optimizer step {step} in '{name}'; it was not applied and training"
+        " stops here. Lower the learning rate, check the data of this step, or enable gradient clipping"
+        " (with clipping, SlideFormerStrategy(on_nonfinite='skip') skips such steps instead)."
+    )
+
+
+def check_finite(flag: Tensor, step: int, name: str) -> None:
+    """Raise for a host flag (from the device) that says a gradient was not finite (on the worker)."""
+    if not bool(flag[0]):
+        raise NonFiniteGradientError(nonfinite_message(step, name))
+
+
+@dataclass
+class StepPlan:
+    """What the next update applies, frozen when the optimizer step begins."""
+
+    step: int
+    hypers: list[Hypers]
+    grad_scale: Tensor | None = None  # clipping by norm: gradients are divided by this
+    clip_value: float | None = None  # clipping by value
+    norm_checked: bool = False  # the global norm was found finite
+    norm: float = 0.0  # "norm-first": the global norm of the first backward pass
+    skip: bool = False  # non-finite norm and on_nonfinite="skip": apply nothing
+
+
+def rows_of(t: Tensor, cut: slice | None) -> Tensor:
+    return t if cut is None else t[cut]
+
+
+class Updates:
+    """The updates of one run: retained gradients, the step's bookkeeping, the global norm, the worker's tasks.
+
+    Args:
+        transfer: the host/device copier (pinned host buffers).
+        worker: the CPU worker.
+        optimizer: the CPU optimizer driver.
+        retain: keep full gradients on the host for the accumulation window (module docstring).
+        compact: parameters whose retained gradients are kept in bf16 (module docstring).
+    """
+
+    def __init__(
+        self,
+        transfer: Transfer,
+        worker: CpuWorker,
+        optimizer: CpuOptimizer,
+        *,
+        retain: bool,
+        compact: set[nn.Parameter] = frozenset(),
+    ) -> None:
+        self.transfer = transfer
+        self.worker = worker
+        self.optimizer = optimizer
+        self.retain = retain
+        self.compact = set(compact) if retain else set()
+        self.host: dict[nn.Parameter, Tensor] = {}  # retained gradients (views into one buffer per owner unit)
+        self.fresh: dict[nn.Parameter, bool] = {}  # retained buffer holds nothing of this window yet
+        self.pending: set[nn.Parameter] = set()  # parameters with gradients in this window
+        self.updated: set[nn.Parameter] = set()  # updated during this window's last backward
+        # NOTE: squared norms of gradients with one contribution in the window, summed on the device as they
+        # leave, so clipping by norm costs the CPU no pass over the gradients.
+        self.device_sq: dict[nn.Parameter, Tensor] = {}
+        self._widening: Tensor | None = None  # the worker's fp32 chunk for a compact gradient's update
+
+    def chunks(self, param: nn.Parameter) -> Iterator[tuple[slice | None, tuple[int, ...], bool]]:
+        """``param``'s gradient in chunks of leading rows (with the NVMe tier, its blocks): each chunk's rows
+        (``None`` for a scalar), shape, and whether it is the last."""
+        rows = param.shape[0] if param.dim() else 1
+        step = self.optimizer.chunk_rows(param, self.transfer.chunk_numel)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            if not param.dim():
+                yield None, (), True
+            else:
+                yield slice(r0, r1), (r1 - r0, *param.shape[1:]), r1 == rows
+
+    # ---- retained buffers ------------------------------------------------------------------------------------
+
+    def take_fresh(self, owner: Unit, param: nn.Parameter) -> bool:
+        """Whether ``param``'s retained buffer holds nothing of this window yet (it does from now on)."""
+        if param not in self.host:
+            self._allocate(owner)
+        fresh = self.fresh[param]
+        self.fresh[param] = False
+        return fresh
+
+    def _allocate(self, owner: Unit) -> None:
+        params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p not in self.host]
+        for dtype in (torch.float32, torch.bfloat16):
+            these = [p for p in params if (p in self.compact) == (dtype == torch.bfloat16)]
+            if not these:  # no empty pinned buffer per unit
+                continue
+            flat = self.transfer.host_empty(sum(p.numel() for p in these), dtype)
+            offset = 0
+            for p in these:
+                self.host[p] = flat[offset : offset + p.numel()].view(p.shape)
+                self.fresh[p] = True
+                offset += p.numel()
+
+    def widen(self, param: nn.Parameter, *, keep: bool) -> None:
+        """A compact gradient becomes fp32 for good: a second contribution in the window (``keep``: the worker copies
+        the first one over, after the copies queued before) or one not in bf16."""
+        compact = self.host[param]
+        self.host[param] = wide = self.transfer.host_empty(param.numel()).view(param.shape)
+        self.compact.discard(param)
+        if keep:
+            self.worker.submit(wide.copy_, compact)
+
+    # ---- scheduling ------------------------------------------------------------------------------------------
+
+    def schedule(
+        self,
+        owner: Unit,
+        plan: StepPlan,
+        *,
+        check_finite: bool,
+        streamed: bool = False,
+        run: Callable[[StepPlan, bool], Future] | None = None,
+    ) -> None:
+        """Queue the update of ``owner``'s parameters that have gradients in this window (main thread).
+
+        Args:
+            check_finite: refuse NaN/Inf gradients (not needed when the global norm was found finite).
+            streamed: the chunks already carry the update; only the bookkeeping is left.
+            run: queues the update itself and returns its future (the split embedding's touched rows).
+        """
+        params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p in self.pending]
+        if not params:
+            return
+        for p in params:
+            self.pending.discard(p)
+            self.device_sq.pop(p, None)
+            self.updated.add(p)
+            if self.retain:
+                self.fresh[p] = True
+        owner.version += 1
+        if streamed:
+            owner.update_done = self.worker.submit(lambda: None)
+        elif run is not None:
+            owner.update_done = run(plan, check_finite)
+        else:
+            self.optimizer.prefetch(params)
+            owner.update_done = self.worker.submit(self._update, owner.name, params, plan, check_finite)
+
+    def discard(self) -> None:
+        """Drop this window's gradients without applying them (a skipped step)."""
+        for p in self.pending:
+            self.fresh[p] = True
+        self.pending.clear()
+        self.device_sq.clear()
+
+    def global_norm(self, params: list[nn.Parameter]) -> float:
+        """The 2-norm of this window's gradients of ``params``, summed in the given (fixed) order."""
+        params = [p for p in params if p in self.pending]
+        on_device = [p for p in params if p in self.device_sq]
+        on_host = [p for p in params if p not in self.device_sq]
+        squares = {}
+        if on_device:
+            values = torch.stack([self.device_sq[p] for p in on_device]).double().cpu().tolist()
+            squares.update(zip(on_device, values))
+        if on_host:
+            norms = torch._foreach_norm([self.host[p] for p in on_host], 2.0)
+            squares.update((p, float(n) ** 2) for p, n in zip(on_host, norms))
+        return math.sqrt(sum(squares[p] for p in params))
+
+    def clip_by_norm(self, plan: StepPlan, total: float, max_norm: float, *, skip_nonfinite: bool) -> None:
+        """Set ``plan``'s clipping coefficient from the global norm ``total``, exactly as
+        ``torch.nn.utils.clip_grad_norm_``; a non-finite norm skips the step or raises."""
+        if not math.isfinite(total):
+            if skip_nonfinite:
+                plan.skip = True
+                return
+            raise NonFiniteGradientError(nonfinite_message(plan.step, "the global gradient norm"))
+        plan.norm_checked = True
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            plan.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32)
+
+    # ---- on the worker ---------------------------------------------------------------------------------------
+
+    def absorb_chunk(self, param: nn.Parameter, cut: slice | None, landing: Tensor | None, grad: Tensor) -> None:
+        """Add a landed chunk of a later contribution into the retained gradient."""
+        if landing is not None:
+            rows_of(self.host[param], cut).add_(grad)
+            self.transfer.give_landing(landing)
+
+    def apply_chunk(self, param, cut, landing, grad, plan: StepPlan, last: bool) -> None:
+        """Apply the update to the rows ``cut`` of ``param`` with their landed gradient (streamed)."""
+        try:
+            hypers = plan.hypers[self.optimizer.group_index(param)]
+            if cut is None or cut.start == 0:
+                self.optimizer.begin(param, hypers)
+            self.optimizer.update([param], [grad], hypers, rows=[cut], grad_scale=plan.grad_scale)
+            if last:
+                self.optimizer.end(param)
+        finally:
+            self.transfer.give_landing(landing)
+
+    def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
+        grads = [self.host[p] for p in params]
+        if check_finite:
+            norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]), 2.0)
+            if not torch.isfinite(norm):
+                raise NonFiniteGradientError(nonfinite_message(plan.step, name))
+        compact = [g.dtype != torch.float32 for g in grads]  # bf16: widened chunk by chunk (_update_compact)
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault(self.optimizer.group_index(p), []).append(i)
+        for g, idx in groups.items():
+            hypers = plan.hypers[g]
+            for i in idx:
+                self.optimizer.begin(params[i], hypers)
+            together = [i for i in idx if not compact[i]]
+            if together:
+                wide = [grads[i] for i in together]
+                if plan.clip_value is not None:
+                    torch._foreach_clamp_min_(wide, -plan.clip_value)
+                    torch._foreach_clamp_max_(wide, plan.clip_value)
+                self.optimizer.update([params[i] for i in together], wide, hypers, grad_scale=plan.grad_scale)
+            for i in idx:
+                if compact[i]:
+                    self._update_compact(params[i], grads[i], hypers, plan)
+            for i in idx:
+                self.optimizer.end(params[i])
+
+    def _update_compact(self, param: nn.Parameter, grad: Tensor, hypers: Hypers, plan: StepPlan) -> None:
+        # a bf16 retained gradient, widened to fp32 a chunk at a time (clipped by value there)
+        if self._widening is None:
+            self._widening = torch.empty(self.transfer.chunk_numel, dtype=torch.float32)
+        for cut, shape, _ in self.chunks(param):
+            chunk = self._widening[: math.prod(shape)].view(shape)
+            chunk.copy_(rows_of(grad, cut))
+            if plan.clip_value is not None:
+                chunk.clamp_(-plan.clip_value, plan.clip_value)
+            self.optimizer.update([param], [chunk], hypers, rows=[cut], grad_scale=plan.grad_scale)

@@ -1,0 +1,164 @@
+"""Where a run's state goes, decided at setup before anything large is allocated: the update schedule, bf16 retained
+gradients, the optimizer state's tier (RAM or NVMe), from the trainer's settings and the host plan against the RAM
+available. Each "auto" that the plan decides is logged."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.optim import Optimizer
+
+from .engine import EngineConfig, SlideEngine
+from .engine.planner import HostPlan
+from .models import Layout
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("auto", "backward", "forward", "norm-first")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The strategy's choices that the engine carries out (``SlideFormerStrategy``'s arguments, resolved)."""
+
+    num_slots: int
+    update_schedule: Literal["auto", "backward", "forward", "norm-first"]
+    on_nonfinite: Literal["raise", "skip"]
+    cpu_threads: int | None
+    offload_activations: bool | Literal["auto"]
+    optimizer_offload: Literal["auto", "cpu", "nvme"]
+    nvme_path: str | None
+    nvme_masters: bool
+    config: EngineConfig
+
+
+def resolve_schedule(update_schedule: str, on_nonfinite: str, trainer: Any, module: LightningModule) -> str:
+    """The update schedule for ``update_schedule`` ("auto": "forward" when clipping, else "backward"); a schedule
+    that cannot run this fit is refused."""
+    clipping = bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)
+    schedule = update_schedule
+    if schedule == "auto":
+        schedule = "forward" if clipping else "backward"
+    if schedule == "backward" and clipping:
+        raise ValueError(
+            "Gradient clipping needs every gradient before any update, so it runs with"
+            " update_schedule='forward'; got update_schedule='backward'."
+        )
+    if schedule == "norm-first" and (why := norm_first_refusal(trainer, module)):
+        raise ValueError(f"update_schedule='norm-first' {why}; use update_schedule='forward'.")
+    if on_nonfinite == "skip" and schedule == "backward":
+        raise ValueError(
+            "on_nonfinite='skip' needs the global gradient norm before any update: set"
+            " Trainer(gradient_clip_val=...) or use on_nonfinite='raise'."
+        )
+    return schedule
+
+
+def choose_engine(
+    module: LightningModule,
+    layout: Layout,
+    device: torch.device,
+    dtype: torch.dtype,
+    optimizer: Optimizer | None,
+    schedule: str,
+    trainer: Any,
+    options: EngineOptions,
+    frozen: list[nn.Parameter],
+    available: int,
+) -> tuple[SlideEngine, HostPlan]:
+    """The engine for this fit and its host plan: where the plan does not fit the ``available`` RAM, each "auto"
+    takes its cheaper choice in turn (bf16 retained gradients, then "norm-first", then the optimizer state on NVMe).
+
+    Args:
+        frozen: frozen parameters that will be stored in the compute ``dtype`` on the host.
+    """
+    config = options.config
+
+    def make(nvme_path: str | None, compact: bool = config.compact_retained_grads is True) -> SlideEngine:
+        return SlideEngine(
+            module, layout.blocks, device, compute_dtype=dtype, embedding=layout.embedding, head=layout.head,
+            optimizer=optimizer, schedule=schedule, retain_grads=trainer.accumulate_grad_batches > 1,
+            num_slots=options.num_slots, on_nonfinite=options.on_nonfinite, cpu_threads=options.cpu_threads,
+            offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
+            hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
+        )  # fmt: skip
+
+    stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
+    nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
+    engine = make(nvme)
+    plan = engine.host_plan(stored)
+    if plan.added > available and config.compact_retained_grads == "auto":
+        candidate = make(engine.nvme_path, compact=True)
+        if candidate.compact_grads():
+            engine, plan = candidate, candidate.host_plan(stored)
+            log.info(
+                "SlideFormer keeps the step's bf16 gradients in bf16 on the host (a slower CPU update): in fp32"
+                " they would not fit the %.2f GiB of RAM available.", available / 2**30,
+            )  # fmt: skip
+    if (
+        options.update_schedule == "auto"
+        and engine.schedule == "forward"
+        and plan.added > available
+        and not norm_first_refusal(trainer, module)
+    ):
+        log.info(
+            "SlideFormer clips with update_schedule='norm-first' (two backward passes): keeping the step's"
+            " gradients for 'forward' would need %.2f GiB more than the %.2f GiB of RAM available.",
+            plan.added / 2**30, available / 2**30,
+        )  # fmt: skip
+        schedule = "norm-first"
+        engine = make(nvme)
+        plan = engine.host_plan(stored)
+    if (
+        options.optimizer_offload == "auto"
+        and options.nvme_path is not None
+        and engine.optimizer is not None
+        and not engine.optimizer.is_sgd
+        and plan.added > available
+    ):
+        log.info(
+            "SlideFormer keeps the optimizer state on NVMe (%s): in RAM the run would need %.2f GiB more than"
+            " the %.2f GiB available.", options.nvme_path, plan.added / 2**30, available / 2**30,
+        )  # fmt: skip
+        engine = make(options.nvme_path)
+        plan = engine.host_plan(stored)
+    return engine, plan
+
+
+def norm_first_refusal(trainer: Any, module: LightningModule) -> str | None:
+    """Why ``update_schedule="norm-first"`` cannot train this fit (``None``: it can)."""
+    if not trainer.gradient_clip_val:
+        return "clips by norm and needs Trainer(gradient_clip_val=...)"
+    if (trainer.gradient_clip_algorithm or "norm") != "norm":
+        return "clips by norm, not by value"
+    if is_overridden("configure_gradient_clipping", module):
+        return (
+            "clips at Trainer(gradient_clip_val=...) during the backward and cannot run an overridden"
+            " configure_gradient_clipping"
+        )
+    if trainer.accumulate_grad_batches > 1:
+        return "keeps no gradients between micro-batches and cannot accumulate them"
+    return None
+
+
+def hooks_read_grads(trainer: Any, module: LightningModule) -> bool:
+    """Whether the module or a callback overrides a hook that sees ``param.grad`` between backward and step."""
+    hooks = ("on_after_backward", "on_before_optimizer_step")
+    return any(is_overridden(h, module) for h in hooks + ("configure_gradient_clipping",)) or any(
+        is_overridden(h, cb) for cb in trainer.callbacks for h in hooks
+    )
+
+
+def frozen_to_store(layout: Layout) -> list[nn.Parameter]:
+    """Frozen fp32 matrices of the blocks and the head, to be kept in the compute dtype on the host; the embedding
+    (streamed by fp32 rows) and anything tied to it keep fp32."""
+    keep = set(layout.embedding[1].parameters()) if layout.embedding is not None else set()
+    modules = [m for _, m in layout.blocks] + ([layout.head[1]] if layout.head is not None else [])
+    params = dict.fromkeys(p for m in modules for p in m.parameters())
+    return [p for p in params if not p.requires_grad and p.dim() >= 2 and p.dtype == torch.float32 and p not in keep]
