@@ -4,7 +4,7 @@ B=2 x 2048 and B=1 x 16384; then each compiled kernel's registers, spills, share
 programs fit on one multiprocessor. Prints only.
 
     python benchmarks/attention_configs.py kernels/attention.py
-    python benchmarks/attention_configs.py kernels/attention.py _FLAT_BELOW=64   # a tl.constexpr set first
+    python benchmarks/attention_configs.py kernels/attention.py flat_below=64   # under its tuning(flat_below=64)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import torch
 
 from bench_attention import packed_offsets
-from bench_attention_ab import load
+from bench_attention_ab import load, tuned
 
 HQ, HKV, D = 32, 8, 128
 KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")
@@ -29,7 +29,8 @@ def describe(config) -> str:
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
-    module = load("attention_configs_version", sys.argv[1], sys.argv[2:])
+    module = load("attention_configs_version", sys.argv[1])
+    context = tuned(module, sys.argv[2:])
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def make(*shape):
@@ -43,8 +44,9 @@ def main() -> None:
         "dense_B1_N16384": ((make(1, total, HQ), make(1, total, HKV), make(1, total, HKV)), {}),
     }  # fmt: skip
     for case, (qkv, kwargs) in cases.items():
-        out = module.flash_attention(*qkv, **kwargs)
-        torch.autograd.grad(out, qkv, torch.randn_like(out))
+        with context():
+            out = module.flash_attention(*qkv, **kwargs)
+            torch.autograd.grad(out, qkv, torch.randn_like(out))
         torch.cuda.synchronize()
         for name in KERNELS:
             kernel = getattr(module, name)

@@ -3,13 +3,13 @@ own (it imports only torch and triton), and all run forward + backward on the sa
 each (the middle time is kept). Cases: causal, bf16, 32/8 heads, D=128, dense B=2 at N=2048 and 8192, B=1 at
 16384, and bench_attention.py's packed batch (16 documents of random lengths in 16k tokens, within-document work
 counted). Appends CSV rows to --out: time, TFLOP/s, the time over the first version's, and the gradients' relative
-difference from the first version's. ``--set-new NAME=INT`` sets a ``tl.constexpr`` of the last version before it
-compiles, so one file can be run against itself with another threshold.
+difference from the first version's. ``--tune-new NAME=INT`` runs the last version under its ``tuning(NAME=INT)``,
+so one file can be run against itself with another threshold.
 
     git show main:kernels/attention.py > /tmp/attention_main.py
     python benchmarks/bench_attention_ab.py /tmp/attention_main.py kernels/attention.py --labels main,branch
-    python benchmarks/bench_attention_ab.py kernels/attention.py kernels/attention.py --set-new _FLAT_BELOW=32 \
-        --labels flat_below_8,flat_below_32
+    python benchmarks/bench_attention_ab.py kernels/attention.py kernels/attention.py --tune-new flat_below=8 \
+        --labels flat_below_32,flat_below_8
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from contextlib import nullcontext
 
 import torch
-import triton.language as tl
 from triton.testing import do_bench
 
 from bench_attention import autotuned, packed_offsets
@@ -28,17 +28,22 @@ from results_csv import append_row, environment
 HQ, HKV, D = 32, 8, 128
 
 
-def load(name: str, path: str, constants: list[str]):
+def load(name: str, path: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    for item in constants:
-        key, value = item.split("=")
-        if not isinstance(getattr(module, key, None), tl.constexpr):
-            raise SystemExit(f"--set-new {item}: {path} has no tl.constexpr named {key}")
-        setattr(module, key, tl.constexpr(int(value)))
     return module
+
+
+def tuned(module, items: list[str]):
+    """A context that runs ``module`` under its ``tuning(NAME=INT, ...)`` (``nullcontext`` without items)."""
+    if not items:
+        return nullcontext
+    changes = {key: int(value) for key, value in (item.split("=") for item in items)}
+    if not hasattr(module, "tuning"):
+        raise SystemExit(f"--tune-new {items}: {module.__file__} has no tuning() (an older version)")
+    return lambda: module.tuning(**changes)
 
 
 def cases(make):
@@ -56,17 +61,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("versions", nargs="+", help="attention.py files, the first one the baseline")
     parser.add_argument("--labels", help="one per version (default: v0,v1,...)")
-    parser.add_argument("--set-new", action="append", default=[], metavar="NAME=INT")
+    parser.add_argument("--tune-new", action="append", default=[], metavar="NAME=INT",
+                        help="a Tuning field for the last version")  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/attention_ab.csv")
     args = parser.parse_args()
     paths = args.versions
     labels = args.labels.split(",") if args.labels else [f"v{i}" for i in range(len(paths))]
     if len(paths) < 2 or len(labels) != len(paths):
         raise SystemExit(f"need two or more versions and one label each; got {len(paths)} versions, labels {labels}")
-    modules = {
-        label: load(f"attention_{i}", path, args.set_new if i == len(paths) - 1 else [])
-        for i, (label, path) in enumerate(zip(labels, paths))
-    }
+    modules = {label: load(f"attention_{i}", path) for i, (label, path) in enumerate(zip(labels, paths))}
+    contexts = {label: tuned(modules[label], args.tune_new if label == labels[-1] else []) for label in labels}
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def make(*shape):
@@ -74,8 +78,10 @@ def main() -> None:
 
     for case, qkv, kwargs, flops in cases(make):
         grad_out = torch.randn_like(qkv[0])
-        grads = {name: torch.autograd.grad(m.flash_attention(*qkv, **kwargs), qkv, grad_out)
-                 for name, m in modules.items()}  # fmt: skip
+        grads = {}
+        for name, m in modules.items():
+            with contexts[name]():
+                grads[name] = torch.autograd.grad(m.flash_attention(*qkv, **kwargs), qkv, grad_out)
         first = grads.pop(labels[0])
         diff = {labels[0]: 0.0}
         for name, other in grads.items():
@@ -84,10 +90,11 @@ def main() -> None:
         times = {name: [] for name in labels}
         for rep in range(3):
             for name in labels if rep % 2 == 0 else labels[::-1]:
-                fn = modules[name].flash_attention
+                fn, context = modules[name].flash_attention, contexts[name]
 
                 def step():
-                    torch.autograd.grad(fn(*qkv, **kwargs), qkv, grad_out)
+                    with context():
+                        torch.autograd.grad(fn(*qkv, **kwargs), qkv, grad_out)
 
                 times[name].append(do_bench(step, warmup=25, rep=200, return_mode="median"))
         ms = {name: sorted(t)[1] for name, t in times.items()}

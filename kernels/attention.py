@@ -55,10 +55,18 @@ class Tuning:
         pack_gqa: the forward and dQ kernels run a GQA group's query heads in one program (``_query_rows``) for
             groups of up to this many (a power of two, at most the smallest BLOCK_M of the configs, 32); 1: one
             program per query head.
+        flat_below: a dK/dV program whose key block fewer query blocks than this see runs its group's query heads in
+            one loop, with one pipeline fill instead of one per head: faster for short packed documents, slower for
+            long sequences (``benchmarks/NOTES.md``, the threshold's A/B).
+        split_below: dK/dV take one program per query head (not per kv head) when there would be fewer programs than
+            this; ``None``: four per multiprocessor of the GPU (with few key blocks, whole-group programs leave
+            multiprocessors idle), none off CUDA.
     """
 
     triton: bool | None = None
     pack_gqa: int = 8
+    flat_below: int = 32
+    split_below: int | None = None
 
 
 _tuning = Tuning()
@@ -109,10 +117,6 @@ def _for_length(long: list[triton.Config]):
 # dK/dV walks query blocks for a key block, so it favours wide key blocks (as FlashAttention-2's Triton tutorial does).
 _ROW_CONFIGS = _configs(((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)), (32, 16))
 _ROW_SHORT = _configs(((128, 64, 8, 2, 128), (128, 32, 8, 3, 128)))
-# dK/dV: a program whose key block fewer query blocks than this see runs its group's query heads in one loop, with
-# one pipeline fill instead of one per head: faster for short packed documents, slower for long sequences
-# (benchmarks/NOTES.md, the threshold's A/B).
-_FLAT_BELOW = tl.constexpr(32)
 _COL_CONFIGS = _configs(
     ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)), (16, 32)
 )  # fmt: skip
@@ -339,7 +343,7 @@ def _bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     qk_scale, sm_scale, window, seq_bucket,
     GROUP: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, FLAT_BELOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # one program per (key block, sequence, program head); loops over HEADS query heads and the query blocks.
     # HEADS == GROUP: a program head is a kv head, and its dK/dV is complete. HEADS == 1: a program head is a query
@@ -363,7 +367,7 @@ def _bwd_dkdv_kernel(
         dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d,
                                 seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
                                 CAUSAL, HAS_WINDOW, 1, BLOCK_M)  # fmt: skip
-    elif tl.cdiv(hi - lo, BLOCK_M) < _FLAT_BELOW:  # few blocks per head: one loop over all the heads' blocks
+    elif tl.cdiv(hi - lo, BLOCK_M) < FLAT_BELOW:  # few blocks per head: one loop over all the heads' blocks
         dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d,
                                 seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
                                 CAUSAL, HAS_WINDOW, HEADS, BLOCK_M)  # fmt: skip
@@ -528,7 +532,7 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, seqs, opts: Attent
     )  # fmt: skip
     _bwd_dkdv_kernel[_grid(opts.max_seqlen, seqs, hq if split else hkv, "BLOCK_N")](
         q, k, v, do, lse, delta, dk, dv, seqs, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), *scales, HEADS=1 if split else group, **common,
+        dv.stride(1), *scales, HEADS=1 if split else group, FLAT_BELOW=_tuning.flat_below, **common,
     )  # fmt: skip
     if split:
         dk, dv = (x.view(t, hkv, group, d).sum(2).to(k.dtype) for x in (dk, dv))
@@ -544,9 +548,9 @@ _SPLIT_MAX_BYTES = 1 << 28  # the partial sums of dK/dV by query head, at most
 
 
 def _split_below(device: torch.device) -> int:
-    """dK/dV take one program per query head (not per kv head) when there would be fewer programs than this: four
-    per multiprocessor of the GPU (with few key blocks, whole-group programs leave multiprocessors idle); never off
-    CUDA."""
+    """``Tuning.split_below``, by default from the GPU's multiprocessors."""
+    if _tuning.split_below is not None:
+        return _tuning.split_below
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 

@@ -55,13 +55,12 @@ def _assert_matches_reference(q, k, v, **kwargs):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("walk", ["by-query-head", "group-one-loop", "group-loop-per-head"])
-def test_dkdv_walks_match_fp64_reference(monkeypatch, tune, packed, walk):
+def test_dkdv_walks_match_fp64_reference(tune, packed, walk):
     # dK/dV run one program per query head and sum the group's partial sums afterwards (few key blocks), or one
     # program per kv head, whose group of query heads shares one loop (few query blocks) or has a loop each
     kernel_path(fa, "triton", tune)
-    if walk == "by-query-head":
-        monkeypatch.setattr(fa, "_split_below", lambda device: 1 << 30)
-    monkeypatch.setattr(fa, "_FLAT_BELOW", triton.language.constexpr(1 << 20 if walk == "group-one-loop" else 0))
+    split_below = 1 << 30 if walk == "by-query-head" else 0
+    tune(fa, split_below=split_below, flat_below=1 << 20 if walk == "group-one-loop" else 0)
     _assert_matches_reference(*_qkv(packed, 16, hq=4, hkv=2), causal=True, window=7, cu_seqlens=CU if packed else None)
 
 
