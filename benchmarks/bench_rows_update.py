@@ -3,8 +3,9 @@
 At the end of each backward the CPU worker updates the embedding rows the step's tokens touched (rows.py): per pass,
 it gathers those rows of the fp32 masters and both Adam moments, runs fused AdamW on them and scatters them back.
 The next step's forward waits for it (benchmarks/NOTES.md, "Core engine"). This times ``RowSplit.apply`` over one step's
-gradient chunks (8 M elements each, as the engine sends them) for each ``rows.PASS_NUMEL`` given, interleaved,
-median of --repeats, on a Llama-3 sized embedding and the distinct ids of --tokens uniform random token ids.
+gradient chunks (8 M elements each, as the engine sends them) for each pass size given
+(``EngineConfig.rows_pass_numel``), interleaved, median of --repeats, on a Llama-3 sized embedding and the distinct ids
+of --tokens uniform random token ids.
 
     python benchmarks/bench_rows_update.py --pass-numel 8388608,2097152,1048576
 """

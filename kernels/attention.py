@@ -31,14 +31,14 @@ import functools
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .tunable import Tunable
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -69,18 +69,8 @@ class Tuning:
     split_below: int | None = None
 
 
-_tuning = Tuning()
-
-
-@contextmanager
-def tuning(**changes) -> Iterator[Tuning]:
-    """Within, the attention runs as ``Tuning(**changes)`` says (the other fields as before)."""
-    global _tuning
-    before, _tuning = _tuning, replace(_tuning, **changes)
-    try:
-        yield _tuning
-    finally:
-        _tuning = before
+# tuning(**changes): a context within which the attention runs as ``Tuning(**changes)`` says
+tuning = Tunable(Tuning())
 
 
 _LOG2E = 1.4426950408889634
@@ -453,8 +443,8 @@ class AttentionOptions:
 
 
 def _use_triton(q: Tensor) -> bool:
-    if _tuning.triton is not None:
-        return _tuning.triton
+    if tuning.value.triton is not None:
+        return tuning.value.triton
     return _INTERPRET or (q.is_cuda and q.dtype != torch.float32)
 
 
@@ -484,7 +474,7 @@ def _dense_offsets(b: int, s: int, device: torch.device) -> tuple[Tensor, Tensor
 def _pack(group: int) -> int:
     """Query heads per forward and dQ program: the whole group where it is a power of two of at most
     ``Tuning.pack_gqa``, else 1."""
-    return group if group & (group - 1) == 0 and group <= _tuning.pack_gqa else 1
+    return group if group & (group - 1) == 0 and group <= tuning.value.pack_gqa else 1
 
 
 def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, seqs: Tensor,
@@ -532,7 +522,7 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, seqs, opts: Attent
     )  # fmt: skip
     _bwd_dkdv_kernel[_grid(opts.max_seqlen, seqs, hq if split else hkv, "BLOCK_N")](
         q, k, v, do, lse, delta, dk, dv, seqs, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), *scales, HEADS=1 if split else group, FLAT_BELOW=_tuning.flat_below, **common,
+        dv.stride(1), *scales, HEADS=1 if split else group, FLAT_BELOW=tuning.value.flat_below, **common,
     )  # fmt: skip
     if split:
         dk, dv = (x.view(t, hkv, group, d).sum(2).to(k.dtype) for x in (dk, dv))
@@ -549,8 +539,8 @@ _SPLIT_MAX_BYTES = 1 << 28  # the partial sums of dK/dV by query head, at most
 
 def _split_below(device: torch.device) -> int:
     """``Tuning.split_below``, by default from the GPU's multiprocessors."""
-    if _tuning.split_below is not None:
-        return _tuning.split_below
+    if tuning.value.split_below is not None:
+        return tuning.value.split_below
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 

@@ -33,15 +33,15 @@ Layering (as Liger-Kernel's): Triton kernels -> launchers ``flce_forward`` / ``f
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .tunable import Tunable
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -70,18 +70,8 @@ class Tuning:
     min_chunk_rows: int = 128
 
 
-_tuning = Tuning()
-
-
-@contextmanager
-def tuning(**changes) -> Iterator[Tuning]:
-    """Within, the loss walks the matrix as ``Tuning(**changes)`` says (the other fields as before)."""
-    global _tuning
-    before, _tuning = _tuning, replace(_tuning, **changes)
-    try:
-        yield _tuning
-    finally:
-        _tuning = before
+# tuning(**changes): a context within which the loss walks the matrix as ``Tuning(**changes)`` says
+tuning = Tunable(Tuning())
 
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -220,11 +210,11 @@ class _RowStats:
 
 
 def _use_triton(t: Tensor) -> bool:
-    return _tuning.triton if _tuning.triton is not None else _INTERPRET or t.is_cuda
+    return tuning.value.triton if tuning.value.triton is not None else _INTERPRET or t.is_cuda
 
 
 def _chunks(n: int, vocab: int):
-    size = min(vocab, max(_tuning.min_chunk_cols, _tuning.chunk_elements // max(n, 1)))
+    size = min(vocab, max(tuning.value.min_chunk_cols, tuning.value.chunk_elements // max(n, 1)))
     if 128 <= size < vocab:
         size -= size % 128  # whole tiles for the matmuls
     for v0 in range(0, vocab, size):
@@ -272,9 +262,9 @@ def _grad_chunk_torch(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0:
 
 
 def _token_chunks(n: int, vocab: int):
-    size = min(n, max(_tuning.min_chunk_rows, _tuning.one_pass_chunk_elements // vocab))
-    if _tuning.min_chunk_rows <= size < n:
-        size -= size % _tuning.min_chunk_rows
+    size = min(n, max(tuning.value.min_chunk_rows, tuning.value.one_pass_chunk_elements // vocab))
+    if tuning.value.min_chunk_rows <= size < n:
+        size -= size % tuning.value.min_chunk_rows
     for t0 in range(0, n, size):
         yield t0, min(n, t0 + size)
 
@@ -400,7 +390,7 @@ def _one_pass(hidden: Tensor, weight: Tensor, opts: CEOptions, wants: tuple[bool
     if opts.one_pass is not None:
         return opts.one_pass and any(wants[:3])
     n, vocab = hidden.shape[0], weight.shape[0]
-    if opts.reduction == "none" or n < _tuning.one_pass_min_tokens or not any(wants[:3]):
+    if opts.reduction == "none" or n < tuning.value.one_pass_min_tokens or not any(wants[:3]):
         return False
     if not hidden.is_cuda:
         return True

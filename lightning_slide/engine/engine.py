@@ -16,10 +16,9 @@ Update schedules (all give exactly the update plain training gives):
   on the device; the clipping coefficient follows, and a second backward pass over the same graph streams the clipped
   updates as "backward" does. One more backward pass of GPU work.
 
-The step's lifecycle: :meth:`SlideEngine.attach` hooks the user's optimizer, so its ``step()`` begins the engine's
-step (the hyperparameters in force are frozen) and ends it (the updates are queued); in between the precision plugin
-runs :meth:`SlideEngine.backward`, :meth:`SlideEngine.grads_ready` and :meth:`SlideEngine.clip`. Pending updates are
-completed (:meth:`SlideEngine.wait`) before validation, checkpointing and the end of training.
+One optimizer step's lifecycle is ``SlideEngine.step`` (``step.py``): it hooks the user's optimizer, so that its
+``step()`` begins and ends the engine's step. Pending updates are completed (:meth:`SlideEngine.wait`) before
+validation, checkpointing and the end of training.
 """
 
 from __future__ import annotations
