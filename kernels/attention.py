@@ -89,7 +89,7 @@ def _configs(shapes, interpreted: tuple[int, int] | None = None) -> list[triton.
 # first loads and last stores overlap the other's products: 8 warps capped at 128 registers (a few spills) for the
 # forward and dQ, 4 warps for dK/dV. They are tried only where the longest sequence is at most _SHORT tokens: the
 # autotuner, timing each kernel alone, picked them for long sequences too, where the whole fwd+bwd was slower
-# (benchmarks/NOTES.md, session 20).
+# (benchmarks/NOTES.md, "two programs per multiprocessor").
 _SHORT = 4096
 
 

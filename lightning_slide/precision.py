@@ -25,8 +25,8 @@ class SlideFormerPrecision(Precision):
     ``"bf16-mixed"`` computes like Lightning's bf16-mixed (autocast over fp32 weights): weight matrices travel to
     the GPU as bf16, which is what autocast would cast them to, while vectors (norm weights, biases), the
     embedding rows and the residual stream stay fp32. ``"32-true"`` (Lightning's default) computes in fp32
-    throughout. Either way the masters and the optimizer state are fp32 on the CPU; the optimizer's ``step()`` runs
-    as in Lightning, and the engine's step hooks apply the update (``engine/step.py``).
+    throughout. Either way the masters and the optimizer state are fp32 on the CPU; the optimizer's ``step()`` is
+    called as in Lightning, and the engine's step hook on it queues the update (``engine/step.py``).
 
     Args:
         precision: ``"bf16-mixed"`` or ``"32-true"``.
@@ -90,12 +90,22 @@ class SlideFormerPrecision(Precision):
 
     @override
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
-        # Runs inside the optimizer's step(), which the engine's step hooks begin and end (engine/step.py).
         closure_result = closure()
         step = self.engine.step
         step.grads_ready()  # before the hooks and clipping, which read the gradients
         self._after_closure(model, optimizer)
         step.grads_taken()
+        return closure_result
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        # NOTE: the closure runs here, not inside optimizer.step(closure) as Lightning's default has it: within torch's
+        # step wrappers (dynamo disabled) the Python of the forward and backward ran slower (benchmarks/NOTES.md).
+        self.engine.step.begin(model.trainer.global_step)
+        closure_result = self._wrap_closure(model, optimizer, closure)
+        optimizer.step(**kwargs)  # its post-hook ends the engine's step (engine/step.py); it finds no param.grad
         return closure_result
 
     @override

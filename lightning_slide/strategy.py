@@ -274,8 +274,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             )
         self.engine.setup(self._loaded_masters)
         self._loaded_masters = {}
-        if fitting:  # the optimizer's step() begins and ends the engine's step
-            self._restores.append(self.engine.step.attach(lambda: trainer.global_step))
+        if fitting:  # the optimizer's step() ends the engine's step
+            self._restores.append(self.engine.step.attach())
         if self.install_loss and layout.causal_lm is not None:
             engine = self.engine
             self._restores.append(

@@ -16,9 +16,9 @@ Update schedules (all give exactly the update plain training gives):
   on the device; the clipping coefficient follows, and a second backward pass over the same graph streams the clipped
   updates as "backward" does. One more backward pass of GPU work.
 
-One optimizer step's lifecycle is ``SlideEngine.step`` (``step.py``): it hooks the user's optimizer, so that its
-``step()`` begins and ends the engine's step. Pending updates are completed (:meth:`SlideEngine.wait`) before
-validation, checkpointing and the end of training.
+One optimizer step's lifecycle is ``SlideEngine.step`` (``step.py``): it begins where Lightning's optimizer step
+begins and ends in the user's optimizer's ``step()``, through a step hook. Pending updates are completed
+(:meth:`SlideEngine.wait`) before validation, checkpointing and the end of training.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """One optimizer step, from its start to its last update queued: the ``Step`` object owns it.
 
-    user's optimizer.step(closure)          (Lightning calls it once per optimizer step)
-      pre-hook    -> Step.begin             the hyperparameters in force are frozen into a StepPlan
-      closure     -> training_step, then Step.backward per micro-batch (the embedding's bulk update starts;
-                     "norm-first" runs its measuring pass first), gradients leave block by block (after_backward)
-                  -> Step.grads_ready       ("forward": every gradient is on the host, shown as param.grad)
-                  -> hooks, Step.clip       (the global norm sets the clipping coefficient)
-                  -> Step.grads_taken       (param.grad hidden again: the optimizer's own update finds none)
-      post-hook   -> Step.finish            ("forward": the updates queued in forward order)
+    SlideFormerPrecision.optimizer_step      (Lightning calls it once per optimizer step)
+      Step.begin                  the hyperparameters in force are frozen into a StepPlan
+      closure                     training_step, then Step.backward per micro-batch (the embedding's bulk update
+                                  starts; "norm-first" runs its measuring pass first); gradients leave block by block
+                                  (Step.after_backward)
+      Step.grads_ready            ("forward": every gradient is on the host, shown as param.grad)
+      hooks, Step.clip            (the global norm sets the clipping coefficient)
+      Step.grads_taken            (param.grad hidden again: the optimizer's own update finds none)
+      user's optimizer.step()     its post-hook, Step.finish: "forward" queues the updates in forward order
 
 The schedules themselves are described in ``engine.py``.
 """
@@ -70,19 +71,10 @@ class Step:
         self._measuring = False  # "norm-first": the backward pass running sums squares only
         self._norm_first_max = 0.0  # "norm-first": the max norm the step was clipped at
 
-    def attach(self, step_number: Callable[[], int]) -> Callable[[], None]:
-        """Hook the user's optimizer: its ``step()`` begins this step (before the closure runs the last micro-batch)
-        and ends it. Returns a function that removes the hooks.
-
-        Args:
-            step_number: the optimizer step being taken (for messages).
-        """
-        user = self.optimizer.optimizer
-        handles = [
-            user.register_step_pre_hook(lambda *_: self.begin(step_number())),
-            user.register_step_post_hook(lambda *_: self.finish()),
-        ]
-        return lambda: [h.remove() for h in handles]
+    def attach(self) -> Callable[[], None]:
+        """Hook the user's optimizer: its ``step()`` ends this step (LR schedulers see a real step). Returns a
+        function that removes the hook."""
+        return self.optimizer.optimizer.register_step_post_hook(lambda *_: self.finish()).remove
 
     def begin(self, step: int) -> None:
         """The step begins: the hyperparameters in force now are the ones applied."""
