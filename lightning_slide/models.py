@@ -104,12 +104,21 @@ def _outermost_pretrained(root: nn.Module, stack: nn.ModuleList) -> nn.Module | 
     return None
 
 
-def disable_hf_checkpointing(root: nn.Module) -> None:
-    """Turn off Hugging Face's own gradient checkpointing: the engine recomputes blocks itself."""
-    for module in root.modules():
-        if getattr(module, "gradient_checkpointing", False) is True:
-            module.gradient_checkpointing = False
-            log.info("SlideFormer disabled Hugging Face gradient checkpointing on %s.", type(module).__name__)
+def disable_hf_checkpointing(root: nn.Module) -> Callable[[], None]:
+    """Turn off Hugging Face's own gradient checkpointing while SlideFormer trains: the engine recomputes blocks
+    itself. Returns a function that turns it back on where it was on."""
+    switched = [m for m in root.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for module in switched:
+        module.gradient_checkpointing = False
+    if switched:
+        log.info("SlideFormer turns Hugging Face gradient checkpointing off while it trains (it recomputes blocks"
+                 " itself); it is on again when training ends.")  # fmt: skip
+
+    def restore() -> None:
+        for module in switched:
+            module.gradient_checkpointing = True
+
+    return restore
 
 
 def install_causal_lm_loss(model: nn.Module, loss: Callable[..., Tensor]) -> Callable[[], None]:

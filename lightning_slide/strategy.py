@@ -227,7 +227,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             optimizer = self.optimizers[0]
         schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
         layout = find_layout(module, self.blocks)
-        disable_hf_checkpointing(module)
+        self._restores.append(disable_hf_checkpointing(module))
         cuda = self.root_device.type == "cuda"
         half = self.precision_plugin.compute_dtype != torch.float32  # the kernel's Triton path is bf16/fp16
         if layout.pretrained is not None and (

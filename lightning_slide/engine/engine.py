@@ -341,7 +341,6 @@ class SlideEngine:
 
     def _patch(self) -> None:
         for unit in self.blocks:
-            unit.module.gradient_checkpointing = False  # the engine owns recompute
             unit.module.forward = partial(self._block_forward, unit)
             if self.activations is not None and (mlp := gated_mlp(unit.module)) is not None:
                 self._tiled.append(TiledMLP(mlp))
