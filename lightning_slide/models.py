@@ -121,6 +121,17 @@ def disable_hf_checkpointing(root: nn.Module) -> Callable[[], None]:
     return restore
 
 
+def disable_hf_cache(model: nn.Module) -> Callable[[], None]:
+    """``config.use_cache`` off while SlideFormer trains, as Hugging Face's Trainer does under gradient checkpointing:
+    a block's recompute would add to a KV cache a second time, and a cache passed by position (GPT-2's
+    ``layer_past``) gets past the engine's removal of cache keywords. Returns a function that puts it back."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "use_cache", False):
+        return lambda: None
+    config.use_cache = False
+    return lambda: setattr(config, "use_cache", True)
+
+
 def install_causal_lm_loss(model: nn.Module, loss: Callable[..., Tensor]) -> Callable[[], None]:
     """Make ``model(..., labels=...)`` compute its loss with ``loss(hidden, labels, **kw)`` from the hidden states.
 

@@ -27,7 +27,7 @@ from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
 from .engine.planner import check_host, window_slots
 from .loss import causal_lm_loss
-from .models import disable_hf_checkpointing, find_layout, install_causal_lm_loss
+from .models import disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .placement import SCHEDULES, EngineOptions, choose_engine, frozen_to_store, resolve_schedule
 from .precision import SlideFormerPrecision
 
@@ -228,6 +228,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
         layout = find_layout(module, self.blocks)
         self._restores.append(disable_hf_checkpointing(module))
+        if fitting and layout.pretrained is not None:
+            self._restores.append(disable_hf_cache(layout.pretrained))
         cuda = self.root_device.type == "cuda"
         half = self.precision_plugin.compute_dtype != torch.float32  # the kernel's Triton path is bf16/fp16
         if layout.pretrained is not None and (
