@@ -802,3 +802,14 @@ def test_forward_schedule_updates_the_embedding_in_two_parts_exactly(
     assert len(started) == (6 if splits else 0)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_a_parameter_used_outside_its_modules_forward_is_refused_by_name():
+    # peft's LoRA on an embedding reads its adapter weights directly in the forward of the layer that holds them, so
+    # no unit's forward swaps them in: autograd leaves their gradient on the masters, where the engine never takes it
+    from peft import LoraConfig, get_peft_model
+
+    module = CausalLM(tiny_config("llama"))
+    module.model = get_peft_model(module.model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    with pytest.raises(RuntimeError, match=r"cannot train '[\w.]*embed_tokens.lora_embedding_A.default'"):
+        fit(module, SlideFormerStrategy(num_slots=2), steps=1)

@@ -326,6 +326,7 @@ class SlideEngine:
                 schedule=self.schedule, on_nonfinite=self.on_nonfinite, optimizer=self.optimizer, updates=self.updates,
                 sender=self.sender, worker=self.worker, window=self.window, rows=self.rows,
                 activations=self.activations, forward_units=self._forward_units(),
+                names={p: name for name, p in self.model.named_parameters()},
             )  # fmt: skip
         self._patch()
 

@@ -47,6 +47,7 @@ class Step:
         rows: the embedding's rows (``None``: no streamed embedding).
         activations: the stash of offloaded block inputs (``None``: none offloaded).
         forward_units: every unit in forward order (the update order of units no training forward met).
+        names: the parameters' names, for messages.
     """
 
     def __init__(
@@ -62,11 +63,13 @@ class Step:
         rows: EmbeddingRows | None,
         activations: ActivationStash | None,
         forward_units: list[Unit],
+        names: dict[nn.Parameter, str],
     ) -> None:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
         self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
         self.window, self.rows, self.activations = window, rows, activations
         self._forward_units = forward_units
+        self._names = names
         self.plan: StepPlan | None = None  # set from begin to finish
         self._measuring = False  # "norm-first": the backward pass running sums squares only
         self._norm_first_max = 0.0  # "norm-first": the max norm the step was clipped at
@@ -142,10 +145,20 @@ class Step:
 
     def grads_taken(self) -> None:
         """Hooks and clipping are done with ``param.grad``: hidden again, so the optimizer's own update finds none
-        (the engine applies it)."""
+        (the engine applies it). A gradient left on a master is one autograd put there itself: refused."""
         if self.schedule == "forward":  # the only schedule that shows them
             for p in self.updates.pending:
                 p.grad = None
+        stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if stray:
+            names = [self._names.get(p, f"a tensor of shape {tuple(p.shape)}") for p in stray]
+            raise RuntimeError(
+                f"SlideFormer cannot train {', '.join(repr(n) for n in names[:3])}"
+                f"{f' and {len(names) - 3} more' if len(names) > 3 else ''}: each was used outside the forward of the"
+                " module that holds it (a peft layer reading its adapter weights directly, say), so the engine took no"
+                " gradient of it, and an update would escape the step's clipping. Freeze it (requires_grad=False) or"
+                " leave it out of the optimizer."
+            )
 
     def clip(self, value: float, algorithm: Literal["norm", "value"]) -> float | None:
         """Clip this step's gradients, exactly as ``torch.nn.utils.clip_grad_norm_`` (returns the global norm) or
