@@ -171,6 +171,10 @@ class SlideEngine:
     def _forward_units(self) -> list[Unit]:
         return in_forward_order(self.embedding, self.blocks, self.head, self.leftovers)
 
+    def _own_buffer_units(self) -> list[Unit]:
+        # the units with a device buffer of their own, outside the blocks' ring: the head and the leftovers
+        return [u for u in [self.head, *self.leftovers] if u is not None]
+
     def _disk_masters(self) -> list[nn.Parameter]:
         if self.compute_dtype == torch.float32:
             raise ValueError(
@@ -200,8 +204,7 @@ class SlideEngine:
     def device_bytes(self, num_slots: int | None = None) -> int:
         """Device memory the engine allocates for weights and staging (activations not included), with its window
         or one of ``num_slots``."""
-        others = [u for u in [self.head, *self.leftovers] if u is not None]
-        return window_bytes(self.blocks, others, num_slots or self.num_slots, self.chunk_numel)
+        return window_bytes(self.blocks, self._own_buffer_units(), num_slots or self.num_slots, self.chunk_numel)
 
     def host_plan(self, stored_sizes: dict[nn.Parameter, int] | None = None) -> HostPlan:
         """What :meth:`setup` and training will add to host memory (see ``planner.py``).
@@ -311,8 +314,7 @@ class SlideEngine:
         if self.transfer.is_cuda:
             for unit in self.units:
                 self.transfer.pin([p for p, o in zip(unit.params, unit.owner) if o is unit])
-        others = [u for u in [self.head, *self.leftovers] if u is not None]
-        self.window = Window(self.blocks, others, self.transfer, self.num_slots)
+        self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots)
         self.rows = None
         if self.embedding is not None:
             self.rows = EmbeddingRows(
@@ -347,9 +349,8 @@ class SlideEngine:
                 self._tiled.append(TiledMLP(mlp))
         if self.embedding is not None:
             self.embedding.module.forward = self._embedding_forward
-        for unit in [self.head, *self.leftovers]:
-            if unit is not None:
-                unit.module.forward = partial(self._unit_forward, unit)
+        for unit in self._own_buffer_units():
+            unit.module.forward = partial(self._unit_forward, unit)
 
     def teardown(self) -> None:
         """Finish pending work, restore the modules' own forwards and move non-parameter state back."""

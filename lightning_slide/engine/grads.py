@@ -21,10 +21,11 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from .optim import rows_of
 from .rows import Contribution, Rows
 from .transfer import Transfer
 from .units import Unit
-from .updates import StepPlan, Updates, check_finite, rows_of
+from .updates import StepPlan, Updates, check_finite
 from .worker import CpuWorker
 
 # sends one parameter's contributions another way than whole chunks (the split embedding's touched rows)

@@ -146,21 +146,21 @@ class CpuOptimizer:
                     at = None if part is None else slice(start + part.start, start + part.stop)
                     grad = g if part is None or part == slice(0, len(g)) else g[part]
                     master = moments.pop(MASTER, None)
-                    target = _cut(p.data, at) if master is None else master
+                    target = rows_of(p.data, at) if master is None else master
                     self._adam([target], [grad], [moments], [self.optimizer.state[p]["step"]], hypers, grad_scale)
                     if master is not None:
-                        _cut(p.data, at).copy_(master)  # the copy the device computes with
+                        rows_of(p.data, at).copy_(master)  # the copy the device computes with
                     self.store.save(p, block)
             return
         states = [self.optimizer.state[p] for p in params]
-        ps = [_cut(p.data, r) for p, r in zip(params, rows)]
+        ps = [rows_of(p.data, r) for p, r in zip(params, rows)]
         if self.is_sgd:
             first = self._sgd_first[params[0]]
             assert all(self._sgd_first[p] == first for p in params)
-            bufs = [_cut(s["momentum_buffer"], r) for s, r in zip(states, rows)] if hypers.momentum != 0 else []
+            bufs = [rows_of(s["momentum_buffer"], r) for s, r in zip(states, rows)] if hypers.momentum != 0 else []
             self._sgd(ps, grads, bufs, hypers, first, grad_scale)
             return
-        moments = [{k: _cut(v, r) for k, v in s.items() if k != "step"} for s, r in zip(states, rows)]
+        moments = [{k: rows_of(v, r) for k, v in s.items() if k != "step"} for s, r in zip(states, rows)]
         self._adam(ps, grads, moments, [s["step"] for s in states], hypers, grad_scale)
 
     def state_like(self, param: Tensor) -> dict[str, Tensor]:
@@ -210,5 +210,6 @@ class CpuOptimizer:
         self._sgd_first.pop(param, None)
 
 
-def _cut(t: Tensor, rows: slice | None) -> Tensor:
+def rows_of(t: Tensor, rows: slice | None) -> Tensor:
+    """``t``'s leading rows ``rows`` (``None``: all of it)."""
     return t if rows is None else t[rows]

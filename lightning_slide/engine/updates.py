@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .optim import CpuOptimizer, Hypers
+from .optim import CpuOptimizer, Hypers, rows_of
 from .transfer import Transfer
 from .units import Unit
 from .worker import CpuWorker
@@ -59,10 +59,6 @@ class StepPlan:
     norm_checked: bool = False  # the global norm was found finite
     norm: float = 0.0  # "norm-first": the global norm of the first backward pass
     skip: bool = False  # non-finite norm and on_nonfinite="skip": apply nothing
-
-
-def rows_of(t: Tensor, cut: slice | None) -> Tensor:
-    return t if cut is None else t[cut]
 
 
 class Updates:
