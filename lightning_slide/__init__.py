@@ -7,7 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .attention import register as _register_attention
 from .data import TextDataModule
-from .engine import NonFiniteGradientError, PinnedMemoryError
+from .engine import BoundaryError, NonFiniteGradientError, PinnedMemoryError
 from .kernels import fused_linear_cross_entropy
 from .loss import causal_lm_loss
 from .module import CausalLMModule, LoRA
@@ -20,6 +20,7 @@ _register_attention()  # attn_implementation="slide" for transformers models
 
 __version__ = "0.1.0"
 __all__ = [
+    "BoundaryError",
     "CausalLMModule",
     "LoRA",
     "NonFiniteGradientError",

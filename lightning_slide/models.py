@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import wraps
 
 from torch import Tensor, nn
@@ -25,6 +25,8 @@ class Layout:
     blocks: list[tuple[str, nn.Module]]
     embedding: tuple[str, nn.Embedding] | None = None
     head: tuple[str, nn.Linear] | None = None
+    # modules outside the blocks whose forward reads their children's parameters directly: each is one unit
+    whole: list[tuple[str, nn.Module]] = field(default_factory=list)
     pretrained: nn.Module | None = None  # the outermost Hugging Face model holding the blocks
     causal_lm: nn.Module | None = None  # the Hugging Face *ForCausalLM whose loss we install
 
@@ -48,11 +50,14 @@ def find_layout(root: nn.Module, blocks: str | None = None) -> Layout:
         raise ValueError(
             f"The block stack '{prefix}' holds the same module more than once; SlideFormer cannot stream it."
         )
+    layout.whole = _reading_children(root, stack)
     hf = _outermost_pretrained(root, stack)
     if hf is None:
         return layout
     layout.pretrained = hf
     emb, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    within = {m for _, w in layout.whole for m in w.modules()}
+    emb, head = (None if m in within else m for m in (emb, head))
     if type(emb) is nn.Embedding and emb.max_norm is None and not emb.scale_grad_by_freq and not emb.sparse:
         layout.embedding = (names[emb], emb)
     if type(head) is nn.Linear:
@@ -75,22 +80,34 @@ def _named_stack(root: nn.Module, path: str) -> nn.ModuleList:
 
 
 def _largest_stack(root: nn.Module) -> nn.ModuleList:
-    best, best_size = None, 0
-    for module in root.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(m) for m in module}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size > best_size:
-            best, best_size = module, size
-    if best is None:
+    # the outermost nn.ModuleList that holds the most parameters (not a block's list of experts); its blocks may
+    # differ in type (a hybrid model's attention and linear-attention layers)
+    lists = [m for m in root.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    inner = {sub for m in lists for sub in m.modules() if sub is not m}
+    best = max((m for m in lists if m not in inner), key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+    if best is None or not any(True for _ in best.parameters()):
         raise ValueError(
             f"SlideFormer could not find the stack of transformer blocks in {type(root).__name__}: it looks for an"
-            " nn.ModuleList of modules of one type that hold parameters (like model.model.layers in Hugging Face"
-            " models). Name it with SlideFormerStrategy(blocks='attribute.path.to.layers')."
+            " nn.ModuleList of modules that hold parameters (like model.model.layers in Hugging Face models). Name it"
+            " with SlideFormerStrategy(blocks='attribute.path.to.layers')."
         )
     return best
+
+
+def _reading_children(root: nn.Module, stack: nn.ModuleList) -> list[tuple[str, nn.Module]]:
+    # peft's layers (an adapter on the embedding reads its ParameterDict, DoRA on the head reads the base layer's
+    # weight) and any module holding a ParameterDict or ParameterList (which has no forward: its parent reads it)
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found, covered = [], set(stack.modules())
+    for name, module in root.named_modules():
+        if module in covered or any(m is stack for m in module.modules()):
+            continue
+        containers = (nn.ParameterDict, nn.ParameterList)
+        if isinstance(module, BaseTunerLayer) or any(isinstance(c, containers) for c in module.children()):
+            found.append((name, module))
+            covered.update(module.modules())
+    return found
 
 
 def _outermost_pretrained(root: nn.Module, stack: nn.ModuleList) -> nn.Module | None:

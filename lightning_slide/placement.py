@@ -69,27 +69,27 @@ def choose_engine(
     schedule: str,
     trainer: Any,
     options: EngineOptions,
-    frozen: list[nn.Parameter],
+    stored: dict[nn.Parameter, int],
     available: int,
 ) -> tuple[SlideEngine, HostPlan]:
     """The engine for this fit and its host plan: where the plan does not fit the ``available`` RAM, each "auto"
     takes its cheaper choice in turn (bf16 retained gradients, then "norm-first", then the optimizer state on NVMe).
 
     Args:
-        frozen: frozen parameters that will be stored in the compute ``dtype`` on the host.
+        stored: the element sizes parameters will be stored with on the host, where they differ from now.
     """
     config = options.config
 
     def make(nvme_path: str | None, compact: bool = config.compact_retained_grads is True) -> SlideEngine:
         return SlideEngine(
             module, layout.blocks, device, compute_dtype=dtype, embedding=layout.embedding, head=layout.head,
-            optimizer=optimizer, schedule=schedule, retain_grads=trainer.accumulate_grad_batches > 1,
+            whole=layout.whole, optimizer=optimizer, schedule=schedule,
+            retain_grads=trainer.accumulate_grad_batches > 1,
             num_slots=options.num_slots, on_nonfinite=options.on_nonfinite, cpu_threads=options.cpu_threads,
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
         )  # fmt: skip
 
-    stored = {p: torch.empty((), dtype=dtype).element_size() for p in frozen}
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
     engine = make(nvme)
     plan = engine.host_plan(stored)
@@ -153,6 +153,13 @@ def hooks_read_grads(trainer: Any, module: LightningModule) -> bool:
     return any(is_overridden(h, module) for h in hooks + ("configure_gradient_clipping",)) or any(
         is_overridden(h, cb) for cb in trainer.callbacks for h in hooks
     )
+
+
+def widened_masters(optimizer: Optimizer) -> list[nn.Parameter]:
+    """The trained parameters loaded in a half dtype (a model loaded in bf16): the engine steps fp32 masters made
+    from them (plain Lightning would step the bf16 values)."""
+    params = dict.fromkeys(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    return [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
 
 
 def frozen_to_store(layout: Layout) -> list[nn.Parameter]:

@@ -85,7 +85,7 @@ class SlideFormerPrecision(Precision):
             model.backward(tensor, *args, **kwargs)
             return
         clip = model.trainer.gradient_clip_val
-        step.backward(lambda **extra: model.backward(tensor, *args, **{**kwargs, **extra}),
+        step.backward(tensor, lambda **extra: model.backward(tensor, *args, **{**kwargs, **extra}),
                       max_norm=float(clip) if clip else None)  # fmt: skip
 
     @override

@@ -28,7 +28,7 @@ from .engine.machine import available_host_bytes, device_budget, locked_memory_l
 from .engine.planner import check_host, window_slots
 from .loss import causal_lm_loss
 from .models import disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
-from .placement import SCHEDULES, EngineOptions, choose_engine, frozen_to_store, resolve_schedule
+from .placement import SCHEDULES, EngineOptions, choose_engine, frozen_to_store, resolve_schedule, widened_masters
 from .precision import SlideFormerPrecision
 
 log = logging.getLogger(__name__)
@@ -250,9 +250,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         )  # fmt: skip
         dtype = self.precision_plugin.compute_dtype
         frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
+        widen = widened_masters(optimizer) if optimizer is not None else []
+        stored = {**dict.fromkeys(frozen, dtype.itemsize), **dict.fromkeys(widen, 4)}
         available = available_host_bytes()
         self.engine, plan = choose_engine(module, layout, self.root_device, dtype, optimizer, schedule, trainer,
-                                          options, frozen, available)  # fmt: skip
+                                          options, stored, available)  # fmt: skip
         if self.engine.nvme_path is not None and not isinstance(self.checkpoint_io, SlideCheckpointIO):
             raise ValueError(
                 f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
@@ -269,6 +271,14 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
+        if widen:
+            log.info(
+                "SlideFormer trains the %d parameters loaded in %s with fp32 master weights made from them (%.2f GiB"
+                " more RAM; they stay fp32 after training): the optimizer steps in fp32, and the GPU computes with"
+                " bf16 copies under bf16-mixed.", len(widen), widen[0].dtype, sum(p.numel() for p in widen) * 2 / 2**30,
+            )  # fmt: skip
+            for p in widen:
+                p.data = p.data.float()
         if cuda and dtype == torch.float32:
             log.info(
                 "SlideFormer computes in fp32 (precision='32-true', Lightning's default): Trainer(precision="

@@ -139,3 +139,35 @@ def test_gpt2_with_its_positional_cache_matches_and_keeps_use_cache():
     err, where = max_rel_error(ours, ref)
     assert err < FP32_TOL, f"{where}: {err:.2e}"
     assert trained.model.config.use_cache
+
+
+def _bf16_case(case: str) -> CausalLM:
+    from peft import LoraConfig, get_peft_model
+    from transformers import Gemma2Config
+
+    if case == "gemma2":  # tied embeddings, softcapping
+        config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64)  # fmt: skip
+        return CausalLM(Gemma2Config(**config))
+    module = CausalLM(tiny_config("llama"))
+    if case == "lora":
+        module.model = get_peft_model(module.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    return module
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma2", "lora"])
+def test_weights_loaded_in_bf16_train_within_twice_plain_bf16_error(case):
+    # the trained parameters get fp32 masters made from the bf16 values; a LoRA base stays bf16 on the host
+    torch.manual_seed(0)
+    module32 = _bf16_case(case)
+    module16 = _bf16_case(case)
+    module16.load_state_dict(module32.state_dict())
+    module16.to(torch.bfloat16)
+    kwargs = dict(steps=4, gradient_clip_val=0.5, accumulate_grad_batches=2)
+    ref32, _ = fit(module32, "auto", **kwargs)
+    plain16, _ = fit(module16, "auto", precision="bf16-mixed", **kwargs)
+    ours16, trained = fit(module16, _strategy(), precision="bf16-mixed", **kwargs)
+    plain_err, our_err = global_error(plain16, ref32), global_error(ours16, ref32)
+    assert our_err <= 2 * plain_err, f"ours {our_err:.3e} vs plain bf16 {plain_err:.3e}"
+    for p in trained.parameters():
+        assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16)

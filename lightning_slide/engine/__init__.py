@@ -4,10 +4,11 @@ from .config import EngineConfig
 from .engine import SlideEngine
 from .optim import SUPPORTED_OPTIMIZERS, CpuOptimizer
 from .transfer import PinnedMemoryError
-from .units import move_except_parameters
+from .units import BoundaryError, move_except_parameters
 from .updates import NonFiniteGradientError
 
 __all__ = [
+    "BoundaryError",
     "SUPPORTED_OPTIMIZERS",
     "CpuOptimizer",
     "EngineConfig",

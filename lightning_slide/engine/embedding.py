@@ -190,7 +190,11 @@ class EmbeddingRows:
             if sent is not None:
                 sent.synchronize()  # its previous rows have left
             part = buffer[: min(per, index.numel() - lo) * width].view(-1, *source.shape[1:])  # (rows, width)
-            torch.index_select(source, 0, index[lo : lo + len(part)], out=part)
+            picked = index[lo : lo + len(part)]
+            if source.dtype == part.dtype:
+                torch.index_select(source, 0, picked, out=part)
+            else:  # a frozen table kept in bf16: its rows widen exactly
+                part.copy_(source.index_select(0, picked))
             event = self.transfer.upload([(part, out[lo : lo + len(part)])], after=allocated)
             self._stage[k % 2] = (buffer, event)
         self.transfer.wait(event)
@@ -458,6 +462,8 @@ class EmbeddingRows:
 class EmbeddingRowsFunction(Function):
     """An embedding lookup that moves only the rows of the tokens in the batch: forward gathers them
     (:meth:`EmbeddingRows.gather`), backward sums the output gradient into them and sends those back."""
+
+    managed_node = True  # guard.py: a node of a streamed module
 
     @staticmethod
     def forward(ctx, rows: EmbeddingRows, ids: Tensor, dummy: Tensor) -> Tensor:

@@ -37,6 +37,7 @@ from .config import EngineConfig
 from .embedding import EmbeddingRows
 from .functions import run_unit
 from .grads import GradSender
+from .guard import Guard
 from .nvme import MASTER, NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
 from .planner import HostPlan, plan_host
@@ -68,6 +69,7 @@ class SlideEngine:
         compute_dtype: dtype of weight matrices on the device (``torch.bfloat16`` or ``torch.float32``).
         embedding: the input embedding, streamed by rows (``None``: it is a leftover like any other).
         head: the output head, kept in a buffer of its own (``None``: a leftover).
+        whole: modules streamed as one unit with their submodules (their forward reads their children's parameters).
         optimizer: the user's optimizer (``None`` for evaluation only).
         schedule: ``"backward"``, ``"forward"`` or ``"norm-first"`` (see the module docstring).
         retain_grads: keep whole gradients on the host for the window (gradient accumulation; implied by
@@ -98,6 +100,7 @@ class SlideEngine:
         compute_dtype: torch.dtype,
         embedding: tuple[str, nn.Embedding] | None = None,
         head: tuple[str, nn.Linear] | None = None,
+        whole: list[tuple[str, nn.Module]] = (),
         optimizer: Optimizer | None = None,
         schedule: Schedule = "backward",
         retain_grads: bool = False,
@@ -123,7 +126,7 @@ class SlideEngine:
         self.on_nonfinite = on_nonfinite
         self.num_slots = num_slots
         self.embedding, self.blocks, self.head, self.leftovers = collect_units(
-            model, blocks, compute_dtype, embedding, head
+            model, blocks, compute_dtype, embedding, head, whole
         )
         # parameters more than one unit computes with (tied embeddings)
         self._shared = {p for u in self.units for p, o in zip(u.params, u.owner) if o is not u}
@@ -160,6 +163,7 @@ class SlideEngine:
         self._tiled: list[TiledMLP] = []
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self.step: Step | None = None  # the optimizer step's lifecycle (training only; step.py)
+        self.guard: Guard | None = None  # what crosses the managed modules' boundaries (training only; guard.py)
         self._ready = False
 
     # ---- what the run needs, before setup --------------------------------------------------------------------
@@ -324,11 +328,12 @@ class SlideEngine:
                 updates=self.updates, sender=self.sender,
             )  # fmt: skip
         if training:
+            names = {p: name for name, p in self.model.named_parameters()}
+            self.guard = Guard(names, self._trainable())
             self.step = Step(
                 schedule=self.schedule, on_nonfinite=self.on_nonfinite, optimizer=self.optimizer, updates=self.updates,
                 sender=self.sender, worker=self.worker, window=self.window, rows=self.rows,
-                activations=self.activations, forward_units=self._forward_units(),
-                names={p: name for name, p in self.model.named_parameters()},
+                activations=self.activations, forward_units=self._forward_units(), names=names, guard=self.guard,
             )  # fmt: skip
         self._patch()
 

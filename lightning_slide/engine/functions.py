@@ -3,13 +3,14 @@
 A managed module is one autograd node. Its forward runs the module's own code with the device copies of its
 weights and keeps no graph, saving only its inputs. Its backward fetches the weights again, replays the forward
 with the RNG and autocast state of the first run (so dropout draws the same mask), and takes the gradients of
-the inputs and of the weight copies; the weight gradients leave for the CPU at once.
+the inputs and of the weight copies; the weight gradients leave for the CPU at once. Submodule outputs that leave the
+module by another way than its outputs (``guard.py``) are extra outputs of the node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -18,6 +19,7 @@ from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .activations import ActivationStash
+from .guard import Guard, Key, submodule_outputs
 from .rows import Contribution
 from .units import Unit, swapped
 
@@ -28,6 +30,7 @@ class UnitHost(Protocol):
     device: torch.device
     dummy: Tensor  # requires grad: makes a unit's node run backward when only its weights need gradients
     activations: ActivationStash | None
+    guard: Guard | None  # training only
 
     def acquire(self, unit: Unit) -> list[Tensor]: ...
 
@@ -75,6 +78,8 @@ class _Call:
         self.out_spec: Any = None
         self.out_leaves: list = []
         self.out_positions: list[int] = []
+        self.probe = engine.guard is not None and engine.guard.probing  # guard.py
+        self.extra_keys: list[Key] = []  # the submodule outputs the node returns after the module's own
 
     def run(self, tensors: tuple[Tensor, ...] | list[Tensor], weights: list[Tensor]) -> Any:
         flat = list(self.leaves)
@@ -83,6 +88,13 @@ class _Call:
         args, kwargs = tree_unflatten(flat, self.spec)
         with swapped(self.unit, weights):
             return self.unit.forward(*args, **kwargs)
+
+    def carried(self) -> set[Key] | None:
+        """The submodule outputs the node returns (``None``: all it can, in the probe)."""
+        if self.probe:
+            return None
+        guard = self.engine.guard
+        return guard.carried.get(self.unit, set()) if guard is not None else set()
 
     @contextmanager
     def replay(self) -> Iterator[None]:
@@ -97,39 +109,68 @@ class _Call:
 
 
 class _UnitFunction(Function):
+    managed_node = True  # guard.py: a node of a streamed module
+
     @staticmethod
     def forward(ctx, call: _Call, dummy: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
         engine, unit = call.engine, call.unit
         offload = engine.offloads(unit, tensors)  # decided before the first block runs (it may tile the MLPs)
-        out = call.run(tensors, engine.acquire(unit))
+        weights = engine.acquire(unit)
+        inputs, originals = tensors, {}
+        if call.probe:  # with a graph over tagged copies, so the guard sees where every result leads
+            wants = [engine.wants_grad(unit, i) for i in range(len(weights))]
+            inputs, weights = engine.guard.copies(unit, list(tensors), list(ctx.needs_input_grad[2:]), weights, wants)
+            originals = {id(c): t for c, t in zip(inputs, tensors)}
+        grad_mode = torch.enable_grad() if call.probe else nullcontext()
+        with grad_mode, submodule_outputs(unit.module, call.carried()) as found:
+            out = call.run(inputs, weights)
         engine.release(unit, forward=True)
         flat_out, call.out_spec = tree_flatten(out)
+        flat_out = [originals.get(id(x), x) for x in flat_out]  # an argument returned as it is
         call.out_positions = [i for i, x in enumerate(flat_out) if isinstance(x, Tensor)]
         call.out_leaves = [None if isinstance(x, Tensor) else x for x in flat_out]
         outs = tuple(flat_out[i] for i in call.out_positions)
+        passed = {id(t) for t in tensors}
+        taken = {id(t) for t in outs} | passed | set(originals)
+        extras = {}
+        for key, t in found.items():  # once each, what the node does not return already
+            if id(t) not in taken and (t.requires_grad or not call.probe):
+                taken.add(id(t))
+                extras[key] = t
+        if call.probe:
+            made = [o for o in outs if o.requires_grad and id(o) not in passed]  # not an argument returned as it is
+            engine.guard.check_node(unit, made + list(extras.values()))
+        call.extra_keys = list(extras)
+        ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         ctx.call = call
         if offload:
             ctx.offloaded = engine.activations.save(tensors)  # kept in host memory until the backward
         else:
             ctx.save_for_backward(*tensors)
-        return outs
+        return (*outs, *extras.values())
 
     @staticmethod
-    def backward(ctx, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx, *grad_outs: Tensor | None) -> tuple[Tensor | None, ...]:
         call: _Call = ctx.call
         engine, unit = call.engine, call.unit
         saved = engine.activations.load(ctx.offloaded) if hasattr(ctx, "offloaded") else ctx.saved_tensors
         inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:])]
         weights = [w.detach().requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(engine.acquire(unit))]
-        with torch.enable_grad(), call.replay():
+        with torch.enable_grad(), call.replay(), submodule_outputs(unit.module, set(call.extra_keys)) as found:
             out = call.run(inputs, weights)
         flat_out = tree_flatten(out)[0]
+        grad_extras = grad_outs[len(call.out_positions) :]
         pairs = [
             (flat_out[pos], g)
             for pos, g in zip(call.out_positions, grad_outs)
             if g is not None and flat_out[pos].requires_grad
         ]
+        for key, g in zip(call.extra_keys, grad_extras):
+            if g is not None:
+                pairs.append((found[key], g))
+                if call.probe:  # the loss reached it: later calls carry it too
+                    engine.guard.carried[unit].add(key)
         wanted = [x for x in inputs if x.requires_grad] + [w for w in weights if w.requires_grad]
         grads: list[Tensor | None] = [None] * len(wanted)
         if pairs and wanted:

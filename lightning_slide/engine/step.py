@@ -27,6 +27,7 @@ from torch import nn
 from .activations import ActivationStash
 from .embedding import EmbeddingRows
 from .grads import GradSender
+from .guard import Guard
 from .optim import CpuOptimizer
 from .rows import Contribution
 from .units import Unit
@@ -48,6 +49,7 @@ class Step:
         activations: the stash of offloaded block inputs (``None``: none offloaded).
         forward_units: every unit in forward order (the update order of units no training forward met).
         names: the parameters' names, for messages.
+        guard: the boundary guard, checking the first training backward (``guard.py``).
     """
 
     def __init__(
@@ -64,12 +66,14 @@ class Step:
         activations: ActivationStash | None,
         forward_units: list[Unit],
         names: dict[nn.Parameter, str],
+        guard: Guard,
     ) -> None:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
         self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
         self.window, self.rows, self.activations = window, rows, activations
         self._forward_units = forward_units
         self._names = names
+        self.guard = guard
         self.plan: StepPlan | None = None  # set from begin to finish
         self._measuring = False  # "norm-first": the backward pass running sums squares only
         self._norm_first_max = 0.0  # "norm-first": the max norm the step was clipped at
@@ -99,14 +103,17 @@ class Step:
         self.sender.push(unit, grads, self.plan if self.schedule != "forward" else None)
         self.window.stats.wait_send_s += time.perf_counter() - start
 
-    def backward(self, run: Callable[..., None], max_norm: float | None = None) -> None:
-        """Run a micro-batch's backward pass, ``run(**kwargs)`` (Lightning's ``LightningModule.backward``).
+    def backward(self, loss: torch.Tensor, run: Callable[..., None], max_norm: float | None = None) -> None:
+        """Run a micro-batch's backward pass from ``loss``: ``run(**kwargs)`` (``LightningModule.backward``). The
+        guard checks the first one before anything updates.
 
         Where exact, the embedding's rows the step did not touch are updated as it starts (``embedding.py``). With
         "norm-first", a first pass over the retained graph only sums the gradients' squares; the clipping at
         ``max_norm`` follows, and the second pass streams the clipped updates (skipped for a non-finite norm with
         ``on_nonfinite="skip"``).
         """
+        if self.guard.probing:
+            self.guard.check_loss(loss)
         if self.rows is not None and self.plan is not None:
             self.rows.start(self.plan)
         if self.schedule == "norm-first" and self.plan is not None:

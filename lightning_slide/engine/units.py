@@ -11,6 +11,11 @@ import torch
 from torch import Tensor, nn
 
 
+class BoundaryError(RuntimeError):
+    """A tensor or a parameter crosses a streamed module's boundary where no gradient could follow it
+    (``collect_units``, ``guard.py``)."""
+
+
 class Unit:
     """One module whose parameters are streamed as a group: a transformer block, the embedding, the head,
     or a small leftover such as the final norm.
@@ -23,7 +28,7 @@ class Unit:
         name: the module's qualified name, used in messages.
         module: the module.
         compute_dtype: dtype of the device copies of matrices (bf16 under bf16-mixed); vectors (norm weights,
-            biases) keep fp32, exactly as autocast would compute with them.
+            biases) and embedding tables keep fp32, exactly as autocast would compute with them.
         recurse: take the parameters of submodules too (blocks, head); ``False`` takes only the module's own
             (a leftover module whose children may be units of their own).
     """
@@ -44,7 +49,10 @@ class Unit:
                     index[param] = len(self.params)
                     self.params.append(param)
                 self.entries.append((sub, attr, index[param]))
-        self.dtypes = [compute_dtype if p.dim() >= 2 else torch.float32 for p in self.params]
+        # an embedding's table stays fp32, as autocast leaves a lookup
+        tables = {i for sub, _, i in self.entries if isinstance(sub, nn.Embedding)}
+        self.dtypes = [compute_dtype if p.dim() >= 2 and i not in tables else torch.float32
+                       for i, p in enumerate(self.params)]  # fmt: skip
         self.trainable = [p.requires_grad for p in self.params]
         self.owner: list[Unit] = [self] * len(self.params)  # who streams each gradient (tied weights: one owner)
         self.update_done: Future | None = None  # the last scheduled update of the params this unit owns
@@ -123,34 +131,39 @@ def collect_units(
     compute_dtype: torch.dtype,
     embedding: tuple[str, nn.Embedding] | None = None,
     head: tuple[str, nn.Linear] | None = None,
+    whole: list[tuple[str, nn.Module]] = (),
 ) -> tuple[Unit | None, list[Unit], Unit | None, list[Unit]]:
     """The units of ``model``: its embedding (fp32 rows), its blocks, its head, and every other module that holds
-    parameters of its own (the leftovers: the final norm, a plain model's pieces), with each shared parameter owned
-    by one of them.
+    parameters of its own (the leftovers: the final norm, a plain model's pieces, and the ``whole`` modules, each
+    with its submodules), with each shared parameter owned by one of them.
 
     Raises:
-        ValueError: a leftover also holds blocks (its own parameters could not be streamed apart from them).
+        BoundaryError: a leftover also holds blocks (its own parameters could not be streamed apart from them).
     """
     emb = Unit(embedding[0], embedding[1], torch.float32) if embedding else None
     stack = [Unit(name, module, compute_dtype) for name, module in blocks]
     top = Unit(head[0], head[1], compute_dtype) if head else None
     named = [u for u in (emb, *stack, top) if u is not None]
-    taken = {m for u in named for m in u.module.modules()}
-    leftovers = [
+    wholes = [Unit(name, module, compute_dtype) for name, module in whole]
+    taken = {m for u in (*named, *wholes) for m in u.module.modules()}
+    singles = [
         Unit(name, m, compute_dtype, recurse=False)
         for name, m in model.named_modules()
         if m not in taken and any(p is not None for p in m._parameters.values())
     ]
-    unit_modules = {u.module for u in named}
-    for unit in leftovers:
-        nested = [name for name, m in unit.module.named_modules() if m in unit_modules]
-        if nested or unit.module is model:
+    unit_modules = {u.module: u for u in named}
+    for unit in list(singles):
+        nested = [unit_modules[m] for m in unit.module.modules() if m in unit_modules]
+        if nested and set(unit.params) <= {p for u in nested for p in u.params}:
+            singles.remove(unit)  # its own parameters stream with a unit inside it (BERT's head bias, tied)
+        elif nested or unit.module is model:
             where = f"'{unit.name}'" if unit.name else "the LightningModule itself"
-            raise ValueError(
-                f"{where} registers parameters of its own and also holds streamed blocks ({nested[:3]}...)."
-                " SlideFormer streams such parameters only from a leaf of the model: move them into a"
-                " submodule (e.g. an nn.Linear) that the forward calls."
+            raise BoundaryError(
+                f"{where} registers parameters of its own and also holds streamed modules"
+                f" ({[u.name for u in nested[:3]]}...). SlideFormer streams such parameters only from a leaf of the"
+                " model: move them into a submodule (e.g. an nn.Linear) that the forward calls."
             )
+    leftovers = wholes + singles
     # NOTE: a parameter used by several units (tied input/output embeddings) is owned by the first of them in forward
     # order, whose backward comes last; the others' gradients wait for it, so it moves and updates once with the sum.
     owner_of: dict[nn.Parameter, Unit] = {}

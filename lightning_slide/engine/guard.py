@@ -1,0 +1,165 @@
+"""The boundary guard: what leaves a managed module other than through its outputs.
+
+A managed module's node (``functions.py``) computes without a graph, so a tensor that leaves the module another way
+(captured by a forward hook, as transformers collects MoE router logits; stored in an attribute or a cache; read by a
+later block, as shared K/V) would carry no gradient back into it, and a parameter read outside the forward of the
+module that holds it is never streamed. Plain training differentiates through all of them.
+
+The first training forward is a probe: each node computes with a graph, over copies of its inputs and weights tagged
+as that node's. Whatever the module's submodules return is carried through the node as an extra output (the same
+tensor object, so a hook's reference gets the node's gradient); the probe's backward keeps the outputs the loss
+reached, and later calls carry only those. Anything else that leads back to a tagged copy, from another node's
+graph or from the loss, or to a parameter read directly, is refused before the first update, by name.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from .units import BoundaryError, Unit
+
+Key = tuple[str, int, int]  # a submodule's path in the unit, its call number within one call, the output's leaf
+_TAG = "_slide_probe"  # attribute of a probe copy: (unit, what it copies)
+_HOW = (
+    "SlideFormer runs each block (and the other streamed modules) without a graph and differentiates only what goes"
+    " in as its arguments and comes out as its outputs (or as the outputs of its submodules)."
+)
+
+
+class Guard:
+    """Probes the first training forward and keeps, per unit, which submodule outputs its node carries.
+
+    Args:
+        names: every parameter's name (for messages).
+        trained: the parameters the optimizer updates.
+    """
+
+    def __init__(self, names: dict[nn.Parameter, str], trained: set[nn.Parameter]) -> None:
+        self.probing = True  # until the first training backward starts
+        self._names, self._trained = names, trained
+        self.carried: dict[Unit, set[Key]] = defaultdict(set)
+
+    # ---- one node's probe ----------------------------------------------------------------------------------------
+
+    def copies(self, unit: Unit, tensors: list[Tensor], needs: list[bool], weights: list[Tensor],
+               wants: list[bool]) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+        """Leaf copies of a call's argument ``tensors`` and of ``unit``'s ``weights`` (sharing their memory), requiring
+        grad per ``needs`` and ``wants``, tagged as ``unit``'s."""
+        what = [f"argument {i}" for i in range(len(tensors))]
+        what += [f"weight '{self._names.get(p, tuple(p.shape))}'" for p in unit.params]
+        out = []
+        for t, need, name in zip([*tensors, *weights], [*needs, *wants], what):
+            copy = t.detach().requires_grad_(need)
+            setattr(copy, _TAG, (unit, name))
+            out.append(copy)
+        return out[: len(tensors)], out[len(tensors) :]
+
+    def check_node(self, unit: Unit, roots: list[Tensor]) -> None:
+        """``unit``'s probe produced ``roots`` (its outputs and carried submodule outputs): they must depend on no
+        tensor of another node's computation and on no parameter read directly."""
+        for leaf, path in _leaves(roots):
+            if leaf is None:
+                raise BoundaryError(
+                    f"'{unit.name}' reads a tensor that another streamed module returned without it being an argument"
+                    f" of '{unit.name}''s forward (a cache or an attribute holding it). {_HOW} Its gradient would be"
+                    f" lost. Pass it as an argument (path: {path})."
+                )
+            tag = getattr(leaf, _TAG, None)
+            if tag is not None and tag[0] is unit:
+                continue
+            if tag is not None:
+                raise BoundaryError(
+                    f"'{unit.name}' uses a tensor computed inside '{tag[0].name}' (from its {tag[1]}) that does not"
+                    f" reach it as an argument: a cache or an attribute shared between them (layers that share"
+                    f" keys and values, say). {_HOW} Its gradient into '{tag[0].name}' would be lost. Pass the tensor"
+                    f" as an argument of '{unit.name}''s forward, or turn the sharing off in the model's config"
+                    f" (path: {path})."
+                )
+            if leaf in self._trained:
+                raise self._direct_use(leaf, f"inside '{unit.name}'", path)
+
+    # ---- the probe's loss --------------------------------------------------------------------------------------------
+
+    def check_loss(self, loss: Tensor) -> None:
+        """The first training backward starts from ``loss``: nothing it reaches may lead back to a probe copy
+        (a tensor that left its node another way than through the node) or to a parameter read directly."""
+        self.probing = False
+        for leaf, path in _leaves([loss], through_nodes=True):
+            tag = getattr(leaf, _TAG, None)
+            if tag is not None:
+                raise BoundaryError(
+                    f"The loss depends on a tensor computed inside '{tag[0].name}' (from its {tag[1]}) that left it"
+                    f" neither as an output nor as a submodule's output: an attribute, a cache, a global, or a hook on"
+                    f" an intermediate result. {_HOW} Its gradient would be lost. Return the tensor from a submodule"
+                    f" (or from the block), or compute it outside the block (path: {path})."
+                )
+            if leaf in self._trained:
+                raise self._direct_use(leaf, "in the forward", path)
+
+    def _direct_use(self, param: nn.Parameter, where: str, path: str) -> BoundaryError:
+        name = self._names.get(param, tuple(param.shape))
+        return BoundaryError(
+            f"Parameter '{name}' is read {where} outside the forward of the module that holds it (a layer reading"
+            f" another layer's weight, say). {_HOW} It would get no gradient. Call the module that holds it, move the"
+            f" parameter into the module that reads it, or freeze it (requires_grad=False) (path: {path})."
+        )
+
+
+@contextmanager
+def submodule_outputs(module: nn.Module, keys: set[Key] | None) -> Iterator[dict[Key, Tensor]]:
+    """Collect, while active, the floating-point tensors ``module``'s submodules return, by :data:`Key` (only
+    ``keys``; ``None``: all)."""
+    found: dict[Key, Tensor] = {}
+    if keys is not None and not keys:
+        yield found
+        return
+    calls: dict[str, int] = defaultdict(int)
+    paths = None if keys is None else {path for path, _, _ in keys}
+
+    def hook(path: str, _module: nn.Module, _args: Any, output: Any) -> None:
+        call = calls[path]
+        calls[path] += 1
+        for i, leaf in enumerate(tree_flatten(output)[0]):
+            key = (path, call, i)
+            if isinstance(leaf, Tensor) and leaf.is_floating_point() and (keys is None or key in keys):
+                found[key] = leaf
+
+    handles = [
+        sub.register_forward_hook(lambda m, a, o, path=path: hook(path, m, a, o))
+        for path, sub in module.named_modules()
+        if path and (paths is None or path in paths)
+    ]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _leaves(roots: list[Tensor], *, through_nodes: bool = False) -> Iterator[tuple[Tensor | None, str]]:
+    """The leaf tensors the graphs of ``roots`` lead to, each with the operations on the way to it (for messages).
+
+    Without ``through_nodes`` the walk stops at a managed node and yields ``None`` for it: inside a node's probe,
+    another node's output was read without being an argument."""
+    stack = [(r.grad_fn, type(r.grad_fn).__name__) for r in roots if r.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        node, path = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: a leaf
+            yield node.variable, path
+            continue
+        if getattr(getattr(node, "_forward_cls", None), "managed_node", False) and not through_nodes:
+            yield None, path
+            continue
+        for child, _ in node.next_functions:
+            if child is not None:
+                stack.append((child, f"{path} <- {type(child).__name__}" if path.count("<-") < 6 else path))

@@ -1,0 +1,131 @@
+"""Every causal-LM family the installed transformers ships, built from a tiny config and trained four micro-batches
+(fp32, clipping, accumulation) with plain Lightning and with SlideFormer: the same training, or refused by the
+boundary guard before any weight changes. Families that cannot be built small, or that plain Lightning cannot train,
+are skipped with the reason. Slow (about two minutes on two cores): ``pytest -m slow``."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers import VOCAB, fit, token_data
+from lightning_slide import BoundaryError, SlideFormerStrategy
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-3  # relative update difference from plain Lightning, beside the rounding a second plain run shows
+MAX_PARAMS = 5_000_000
+# the config fields of a tiny model; each family takes those its config has
+TINY = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+    d_model=32, d_ff=64, d_kv=8, num_layers=3, num_heads=4, encoder_layers=2, decoder_layers=2,
+    encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+    n_input_layers=1, n_output_layers=1,  # looped models (Dory): each layer once per loop, as in their own configs
+)  # fmt: skip
+SEQ2SEQ = ("t5", "bart")
+
+
+def _families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) + [f"{name}-seq2seq" for name in SEQ2SEQ]
+
+
+def _config(family: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[family.removesuffix("-seq2seq")]
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))
+    config = cls(**{k: v for k, v in TINY.items() if k in known})
+    if family.endswith("-seq2seq"):
+        config.decoder_start_token_id = 0
+    return config
+
+
+class ZooLM(L.LightningModule):
+    """The module a user writes, for a causal LM or (``seq2seq``) an encoder-decoder."""
+
+    def __init__(self, config, seq2seq: bool):
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+        auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+        self.model = auto.from_config(config)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _build(family: str) -> ZooLM:
+    try:
+        config = _config(family)
+        with torch.device("meta"):
+            size = sum(p.numel() for p in ZooLM(config, family.endswith("-seq2seq")).parameters())
+        if size > MAX_PARAMS:
+            pytest.skip(f"{family}: {size / 1e6:.0f}M parameters at its tiny config (above {MAX_PARAMS / 1e6:.0f}M)")
+        torch.manual_seed(0)
+        return ZooLM(config, family.endswith("-seq2seq"))
+    except Exception as err:  # the reason is the skip's message
+        pytest.skip(f"{family}: cannot be built from a tiny config: {type(err).__name__}: {str(err)[:200]}")
+
+
+def _relative_update(a: dict, b: dict, start: dict) -> float:
+    diff = sum(((a[k] - b[k]) ** 2).sum() for k in start) ** 0.5
+    moved = sum(((b[k] - start[k]) ** 2).sum() for k in start) ** 0.5
+    return float(diff / moved.clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("family", _families())
+def test_family_trains_as_plain_lightning_or_is_refused(family):
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    module = _build(family)
+    start = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+    kwargs = dict(steps=2, gradient_clip_val=0.5, accumulate_grad_batches=2)
+    try:
+        ref, _ = fit(module, "auto", **kwargs)
+    except Exception as err:
+        pytest.skip(f"{family}: plain Lightning cannot train it: {type(err).__name__}: {str(err)[:200]}")
+    ref2, _ = fit(module, "auto", **kwargs)
+    rounding = _relative_update(ref2, ref, start)
+    try:
+        ours, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    except BoundaryError:
+        _assert_refused_before_any_update(module, start)
+        return
+    err = _relative_update(ours, ref, start)
+    assert err <= TOL + rounding, f"{family}: relative update difference {err:.2e} (plain vs plain: {rounding:.2e})"
+
+
+def _assert_refused_before_any_update(module: ZooLM, start: dict) -> None:
+    trainer = L.Trainer(strategy=SlideFormerStrategy(num_slots=2), accelerator="cpu", devices=1, max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    with pytest.raises(BoundaryError):
+        trainer.fit(module, DataLoader(TensorDataset(token_data()), batch_size=4))
+    for k, v in module.state_dict().items():
+        assert torch.equal(v.float(), start[k]), f"{k} changed before the refusal"
+
+
+def test_tiny_configs_really_build_most_families():
+    # the sweep above means something only if most families build: a TINY typo would skip them all
+    from transformers import AutoModelForCausalLM
+
+    built = 0
+    for family in ("llama", "gpt2", "mixtral", "gemma2", "phi3", "falcon", "gpt_neox", "mamba"):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(_config(family))
+        built += sum(p.numel() for p in model.parameters()) < MAX_PARAMS and isinstance(model, nn.Module)
+    assert built == 8
