@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 from torch.autograd import Function
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .activations import ActivationStash
@@ -108,6 +109,10 @@ class _Call:
                 yield
 
 
+def _drop(_: Any) -> None:
+    return None
+
+
 class _UnitFunction(Function):
     managed_node = True  # guard.py: a node of a streamed module
 
@@ -121,8 +126,10 @@ class _UnitFunction(Function):
             wants = [engine.wants_grad(unit, i) for i in range(len(weights))]
             inputs, weights = engine.guard.copies(unit, list(tensors), list(ctx.needs_input_grad[2:]), weights, wants)
             originals = {id(c): t for c, t in zip(inputs, tensors)}
+        # the probe's graph is walked, never run backward (the node recomputes): it keeps no activations
         grad_mode = torch.enable_grad() if call.probe else nullcontext()
-        with grad_mode, submodule_outputs(unit.module, call.carried()) as found:
+        unsaved = saved_tensors_hooks(_drop, _drop) if call.probe else nullcontext()
+        with grad_mode, unsaved, submodule_outputs(unit.module, call.carried()) as found:
             out = call.run(inputs, weights)
         engine.release(unit, forward=True)
         flat_out, call.out_spec = tree_flatten(out)
