@@ -140,8 +140,9 @@ class _UnitFunction(Function):
         passed = {id(t) for t in tensors}
         taken = {id(t) for t in outs} | passed | set(originals)
         extras = {}
-        for key, t in found.items():  # once each, what the node does not return already
-            if id(t) not in taken and (t.requires_grad or not call.probe):
+        for key, ref in found.items():  # once each, what the node does not return already
+            t = ref()
+            if t is not None and id(t) not in taken and (t.requires_grad or not call.probe):
                 taken.add(id(t))
                 extras[key] = t
         if call.probe:
@@ -175,7 +176,7 @@ class _UnitFunction(Function):
         ]
         for key, g in zip(call.extra_keys, grad_extras):
             if g is not None:
-                pairs.append((found[key], g))
+                pairs.append((found[key](), g))
                 if call.probe:  # the loss reached it: later calls carry it too
                     engine.guard.carried[unit].add(key)
         wanted = [x for x in inputs if x.requires_grad] + [w for w in weights if w.requires_grad]

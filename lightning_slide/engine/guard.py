@@ -14,9 +14,11 @@ graph or from the loss, or to a parameter read directly, is refused before the f
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from torch import Tensor, nn
@@ -112,10 +114,10 @@ class Guard:
 
 
 @contextmanager
-def submodule_outputs(module: nn.Module, keys: set[Key] | None) -> Iterator[dict[Key, Tensor]]:
-    """Collect, while active, the floating-point tensors ``module``'s submodules return, by :data:`Key` (only
-    ``keys``; ``None``: all)."""
-    found: dict[Key, Tensor] = {}
+def submodule_outputs(module: nn.Module, keys: set[Key] | None) -> Iterator[dict[Key, Callable[[], Tensor | None]]]:
+    """Collect, while active, the floating-point tensors ``module``'s submodules return, by :data:`Key`: ``keys`` only,
+    or (``None``, the probe) all, held weakly: what is still alive after the call is what left the module."""
+    found: dict[Key, Callable[[], Tensor | None]] = {}
     if keys is not None and not keys:
         yield found
         return
@@ -128,7 +130,7 @@ def submodule_outputs(module: nn.Module, keys: set[Key] | None) -> Iterator[dict
         for i, leaf in enumerate(tree_flatten(output)[0]):
             key = (path, call, i)
             if isinstance(leaf, Tensor) and leaf.is_floating_point() and (keys is None or key in keys):
-                found[key] = leaf
+                found[key] = weakref.ref(leaf) if keys is None else partial(_same, leaf)
 
     handles = [
         sub.register_forward_hook(lambda m, a, o, path=path: hook(path, m, a, o))
@@ -140,6 +142,10 @@ def submodule_outputs(module: nn.Module, keys: set[Key] | None) -> Iterator[dict
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def _leaves(roots: list[Tensor], *, through_nodes: bool = False) -> Iterator[tuple[Tensor | None, str]]:
