@@ -155,9 +155,8 @@ def hooks_read_grads(trainer: Any, module: LightningModule) -> bool:
     )
 
 
-def widened_masters(optimizer: Optimizer) -> list[nn.Parameter]:
-    """The trained parameters loaded in a half dtype (a model loaded in bf16): the engine steps fp32 masters made
-    from them (plain Lightning would step the bf16 values)."""
+def half_trained(optimizer: Optimizer) -> list[nn.Parameter]:
+    """The trained parameters loaded in a half dtype (a model loaded in bf16)."""
     params = dict.fromkeys(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
     return [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
 

@@ -28,7 +28,7 @@ from .engine.machine import available_host_bytes, device_budget, locked_memory_l
 from .engine.planner import check_host, window_slots
 from .loss import causal_lm_loss
 from .models import disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
-from .placement import SCHEDULES, EngineOptions, choose_engine, frozen_to_store, resolve_schedule, widened_masters
+from .placement import SCHEDULES, EngineOptions, choose_engine, frozen_to_store, half_trained, resolve_schedule
 from .precision import SlideFormerPrecision
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         frozen_in_compute_dtype: under bf16-mixed, keep the frozen weight matrices of the blocks and the head (a
             LoRA base) in bf16 on the host: half the memory, and exactly the values bf16 compute reads. The
             module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
+        half_weights: trained parameters loaded in bf16 or fp16 (``torch_dtype=torch.bfloat16``):
+            ``"fp32_masters"`` steps fp32 master weights made from them (4 bytes per parameter more on the host; they
+            stay fp32 after training); ``"keep"`` steps them in their own dtype, as plain Lightning does (with RAM
+            for the optimizer state only, not with ``optimizer_offload="nvme"``).
         offload_activations: keep the inputs each block saves for its recompute in pooled host memory instead of
             on the GPU, fetched back one block ahead of the backward pass (long contexts). ``True``: every block's;
             ``"auto"``: on CUDA, those of as few of the first blocks as let the rest and one block at work fit the
@@ -99,6 +103,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         update_schedule: Literal["auto", "backward", "forward", "norm-first"] = "auto",
         install_loss: bool = True,
         frozen_in_compute_dtype: bool = True,
+        half_weights: Literal["fp32_masters", "keep"] = "fp32_masters",
         offload_activations: bool | Literal["auto"] = "auto",
         optimizer_offload: Literal["auto", "cpu", "nvme"] = "auto",
         nvme_path: str | None = None,
@@ -125,6 +130,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             raise TypeError(f"engine must be a lightning_slide.engine.EngineConfig; got {type(engine).__name__}.")
         if offload_activations not in (True, False, "auto"):
             raise ValueError(f"offload_activations must be True, False or 'auto'; got {offload_activations!r}.")
+        if half_weights not in ("fp32_masters", "keep"):
+            raise ValueError(f"half_weights must be 'fp32_masters' or 'keep'; got {half_weights!r}.")
         if optimizer_offload not in ("auto", "cpu", "nvme"):
             raise ValueError(f"optimizer_offload must be 'auto', 'cpu' or 'nvme'; got {optimizer_offload!r}.")
         if nvme_masters and optimizer_offload != "nvme":
@@ -146,6 +153,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.update_schedule = update_schedule
         self.install_loss = install_loss
         self.frozen_in_compute_dtype = frozen_in_compute_dtype
+        self.half_weights = half_weights
         self.offload_activations = offload_activations
         self.optimizer_offload = optimizer_offload
         self.nvme_path = nvme_path if optimizer_offload != "cpu" else None
@@ -250,7 +258,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         )  # fmt: skip
         dtype = self.precision_plugin.compute_dtype
         frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
-        widen = widened_masters(optimizer) if optimizer is not None else []
+        half = half_trained(optimizer) if optimizer is not None else []
+        widen = half if self.half_weights == "fp32_masters" else []
         stored = {**dict.fromkeys(frozen, dtype.itemsize), **dict.fromkeys(widen, 4)}
         available = available_host_bytes()
         self.engine, plan = choose_engine(module, layout, self.root_device, dtype, optimizer, schedule, trainer,
@@ -260,6 +269,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
                 f" SlideCheckpointIO; got checkpoint_io={type(self.checkpoint_io).__name__}. Leave checkpoint_io unset"
                 " (or subclass SlideCheckpointIO)."
+            )
+        if half and not widen and self.engine.nvme_path is not None:
+            raise ValueError(
+                f"half_weights='keep' steps {len(half)} parameters in {half[0].dtype}, but the NVMe tier keeps fp32"
+                " optimizer state. Use half_weights='fp32_masters' (the default) or optimizer_offload='cpu'."
             )
         if self.num_slots == "auto":
             self.engine.num_slots = window_slots(self.engine.device_bytes(3), device_budget(self.root_device))
@@ -271,11 +285,15 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
         for p in frozen:  # after every check, before pinning
             p.data = p.data.to(dtype)
+        if half and not widen:
+            log.info("SlideFormer steps the %d parameters loaded in %s in that dtype, as plain Lightning does"
+                     " (half_weights='keep').", len(half), half[0].dtype)  # fmt: skip
         if widen:
             log.info(
                 "SlideFormer trains the %d parameters loaded in %s with fp32 master weights made from them (%.2f GiB"
                 " more RAM; they stay fp32 after training): the optimizer steps in fp32, and the GPU computes with"
-                " bf16 copies under bf16-mixed.", len(widen), widen[0].dtype, sum(p.numel() for p in widen) * 2 / 2**30,
+                " bf16 copies under bf16-mixed; half_weights='keep' steps the bf16 values as plain Lightning does.",
+                len(widen), widen[0].dtype, sum(p.numel() for p in widen) * 2 / 2**30,
             )  # fmt: skip
             for p in widen:
                 p.data = p.data.float()

@@ -155,9 +155,11 @@ def _bf16_case(case: str) -> CausalLM:
     return module
 
 
+@pytest.mark.parametrize("half_weights", ["fp32_masters", "keep"])
 @pytest.mark.parametrize("case", ["llama", "gemma2", "lora"])
-def test_weights_loaded_in_bf16_train_within_twice_plain_bf16_error(case):
-    # the trained parameters get fp32 masters made from the bf16 values; a LoRA base stays bf16 on the host
+def test_weights_loaded_in_bf16_train_within_twice_plain_bf16_error(case, half_weights):
+    # by default the trained parameters get fp32 masters made from the bf16 values; "keep" steps them in bf16 as plain
+    # Lightning does. A LoRA base stays bf16 on the host either way.
     torch.manual_seed(0)
     module32 = _bf16_case(case)
     module16 = _bf16_case(case)
@@ -166,8 +168,9 @@ def test_weights_loaded_in_bf16_train_within_twice_plain_bf16_error(case):
     kwargs = dict(steps=4, gradient_clip_val=0.5, accumulate_grad_batches=2)
     ref32, _ = fit(module32, "auto", **kwargs)
     plain16, _ = fit(module16, "auto", precision="bf16-mixed", **kwargs)
-    ours16, trained = fit(module16, _strategy(), precision="bf16-mixed", **kwargs)
+    ours16, trained = fit(module16, _strategy(half_weights=half_weights), precision="bf16-mixed", **kwargs)
     plain_err, our_err = global_error(plain16, ref32), global_error(ours16, ref32)
     assert our_err <= 2 * plain_err, f"ours {our_err:.3e} vs plain bf16 {plain_err:.3e}"
+    trained_dtype = torch.float32 if half_weights == "fp32_masters" else torch.bfloat16
     for p in trained.parameters():
-        assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16)
+        assert p.dtype == (trained_dtype if p.requires_grad else torch.bfloat16)

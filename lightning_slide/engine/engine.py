@@ -267,6 +267,7 @@ class SlideEngine:
         return (
             allowed
             and self.optimizer.store is None
+            and self.embedding.params[0].dtype == torch.float32
             and self.wants_grad(self.embedding, 0)
             and self.embedding.params[0] not in self._shared
         )

@@ -189,6 +189,7 @@ class CpuOptimizer:
 
     @staticmethod
     def _sgd(ps, grads, bufs, hypers: Hypers, first: bool, grad_scale) -> None:
+        grads = _as_params(ps, grads)
         torch._fused_sgd_(
             ps, grads, bufs, weight_decay=hypers.weight_decay, momentum=hypers.momentum, lr=hypers.lr,
             dampening=hypers.dampening, nesterov=hypers.nesterov, maximize=hypers.maximize,
@@ -198,6 +199,7 @@ class CpuOptimizer:
     @staticmethod
     def _adam(ps, grads, moments: list[dict[str, Tensor]], steps, hypers: Hypers, grad_scale) -> None:
         fused = torch._fused_adamw_ if hypers.decoupled else torch._fused_adam_
+        grads = _as_params(ps, grads)
         fused(
             ps, grads, [m["exp_avg"] for m in moments], [m["exp_avg_sq"] for m in moments],
             [m["max_exp_avg_sq"] for m in moments] if hypers.amsgrad else [], steps,
@@ -208,6 +210,11 @@ class CpuOptimizer:
     def end(self, param: Tensor) -> None:
         """Finish this step's update of ``param``."""
         self._sgd_first.pop(param, None)
+
+
+def _as_params(ps: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    # the fp32 gradients of parameters kept in bf16 (half_weights="keep"), in their dtype, as autograd gives them
+    return [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(ps, grads)]
 
 
 def rows_of(t: Tensor, rows: slice | None) -> Tensor:
