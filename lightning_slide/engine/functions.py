@@ -10,13 +10,12 @@ module by another way than its outputs (``guard.py``) are extra outputs of the n
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.autograd import Function
-from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .activations import ActivationStash
@@ -109,10 +108,6 @@ class _Call:
                 yield
 
 
-def _drop(_: Any) -> None:
-    return None
-
-
 class _UnitFunction(Function):
     managed_node = True  # guard.py: a node of a streamed module
 
@@ -121,30 +116,26 @@ class _UnitFunction(Function):
         engine, unit = call.engine, call.unit
         offload = engine.offloads(unit, tensors)  # decided before the first block runs (it may tile the MLPs)
         weights = engine.acquire(unit)
-        inputs, originals = tensors, {}
-        if call.probe:  # with a graph over tagged copies, so the guard sees where every result leads
-            wants = [engine.wants_grad(unit, i) for i in range(len(weights))]
-            inputs, weights = engine.guard.copies(unit, list(tensors), list(ctx.needs_input_grad[2:]), weights, wants)
-            originals = {id(c): t for c, t in zip(inputs, tensors)}
-        # the probe's graph is walked, never run backward (the node recomputes): it keeps no activations
-        grad_mode = torch.enable_grad() if call.probe else nullcontext()
-        unsaved = saved_tensors_hooks(_drop, _drop) if call.probe else nullcontext()
-        with grad_mode, unsaved, submodule_outputs(unit.module, call.carried()) as found:
-            out = call.run(inputs, weights)
+        if call.probe:  # with a graph, so the guard sees where every result leads (guard.py)
+            needs, wants = list(ctx.needs_input_grad[2:]), [engine.wants_grad(unit, i) for i in range(len(weights))]
+            out, found = engine.guard.probe(unit, call.run, list(tensors), needs, weights, wants)
+        else:
+            with submodule_outputs(unit.module, call.carried()) as found:
+                out = call.run(tensors, weights)
         engine.release(unit, forward=True)
         flat_out, call.out_spec = tree_flatten(out)
-        flat_out = [originals.get(id(x), x) for x in flat_out]  # an argument returned as it is
         call.out_positions = [i for i, x in enumerate(flat_out) if isinstance(x, Tensor)]
         call.out_leaves = [None if isinstance(x, Tensor) else x for x in flat_out]
         outs = tuple(flat_out[i] for i in call.out_positions)
         passed = {id(t) for t in tensors}
-        taken = {id(t) for t in outs} | passed | set(originals)
+        taken = {id(t) for t in outs} | passed
         extras = {}
         for key, ref in found.items():  # once each, what the node does not return already
             t = ref()
-            if t is not None and id(t) not in taken and (t.requires_grad or not call.probe):
-                taken.add(id(t))
-                extras[key] = t
+            if t is None or id(t) in taken or (call.probe and (not t.requires_grad or Guard.is_copy(t))):
+                continue
+            taken.add(id(t))
+            extras[key] = t
         if call.probe:
             made = [o for o in outs if o.requires_grad and id(o) not in passed]  # not an argument returned as it is
             engine.guard.check_node(unit, made + list(extras.values()))

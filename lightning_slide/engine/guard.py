@@ -21,8 +21,10 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .units import BoundaryError, Unit
 
@@ -49,18 +51,31 @@ class Guard:
 
     # ---- one node's probe ----------------------------------------------------------------------------------------
 
-    def copies(self, unit: Unit, tensors: list[Tensor], needs: list[bool], weights: list[Tensor],
-               wants: list[bool]) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
-        """Leaf copies of a call's argument ``tensors`` and of ``unit``'s ``weights`` (sharing their memory), requiring
-        grad per ``needs`` and ``wants``, tagged as ``unit``'s."""
+    def probe(
+        self, unit: Unit, run: Callable[[list[Tensor], list[Tensor]], Any], tensors: list[Tensor], needs: list[bool],
+        weights: list[Tensor], wants: list[bool],
+    ) -> tuple[Any, dict[Key, Callable]]:  # fmt: skip
+        """``run(tensors, weights)``, ``unit``'s forward, with a graph over copies of its arguments and weights tagged
+        as ``unit``'s (requiring grad per ``needs`` and ``wants``). Returns its output (an argument returned as it is
+        given back as itself) and the outputs of its submodules (weakly, :func:`submodule_outputs`)."""
         what = [f"argument {i}" for i in range(len(tensors))]
         what += [f"weight '{self._names.get(p, tuple(p.shape))}'" for p in unit.params]
-        out = []
+        copies = []
         for t, need, name in zip([*tensors, *weights], [*needs, *wants], what):
-            copy = t.detach().requires_grad_(need)
+            copy = t.detach().requires_grad_(need)  # the same memory
             setattr(copy, _TAG, (unit, name))
-            out.append(copy)
-        return out[: len(tensors)], out[len(tensors) :]
+            copies.append(copy)
+        originals = {id(c): t for c, t in zip(copies, tensors)}
+        # the probe's graph is walked, never run backward (the node recomputes): it keeps no activations
+        with torch.enable_grad(), saved_tensors_hooks(_drop, _drop), submodule_outputs(unit.module, None) as found:
+            out = run(copies[: len(tensors)], copies[len(tensors) :])
+        flat, spec = tree_flatten(out)
+        return tree_unflatten([originals.get(id(x), x) for x in flat], spec), found
+
+    @staticmethod
+    def is_copy(tensor: Tensor) -> bool:
+        """Whether ``tensor`` is one of a probe's copies."""
+        return hasattr(tensor, _TAG)
 
     def check_node(self, unit: Unit, roots: list[Tensor]) -> None:
         """``unit``'s probe produced ``roots`` (its outputs and carried submodule outputs): they must depend on no
@@ -146,6 +161,10 @@ def submodule_outputs(module: nn.Module, keys: set[Key] | None) -> Iterator[dict
 
 def _same(tensor: Tensor) -> Tensor:
     return tensor
+
+
+def _drop(_: Any) -> None:
+    return None
 
 
 def _leaves(roots: list[Tensor], *, through_nodes: bool = False) -> Iterator[tuple[Tensor | None, str]]:
