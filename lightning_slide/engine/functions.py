@@ -19,7 +19,7 @@ from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .activations import ActivationStash
-from .guard import Guard, Key, submodule_outputs
+from .guard import Guard, Key, Site, submodule_outputs
 from .rows import Contribution
 from .units import Unit, swapped
 
@@ -89,7 +89,7 @@ class _Call:
         with swapped(self.unit, weights):
             return self.unit.forward(*args, **kwargs)
 
-    def carried(self) -> set[Key] | None:
+    def carried(self) -> set[Site] | None:
         """The submodule outputs the node returns (``None``: all it can, in the probe)."""
         if self.probe:
             return None
@@ -156,7 +156,8 @@ class _UnitFunction(Function):
         saved = engine.activations.load(ctx.offloaded) if hasattr(ctx, "offloaded") else ctx.saved_tensors
         inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:])]
         weights = [w.detach().requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(engine.acquire(unit))]
-        with torch.enable_grad(), call.replay(), submodule_outputs(unit.module, set(call.extra_keys)) as found:
+        sites = {(path, leaf) for path, _, leaf in call.extra_keys}
+        with torch.enable_grad(), call.replay(), submodule_outputs(unit.module, sites) as found:
             out = call.run(inputs, weights)
         flat_out = tree_flatten(out)[0]
         grad_extras = grad_outs[len(call.out_positions) :]
@@ -168,8 +169,8 @@ class _UnitFunction(Function):
         for key, g in zip(call.extra_keys, grad_extras):
             if g is not None:
                 pairs.append((found[key](), g))
-                if call.probe:  # the loss reached it: later calls carry it too
-                    engine.guard.carried[unit].add(key)
+                if call.probe:  # the loss reached it: later calls carry what that submodule returns there
+                    engine.guard.carried[unit].add((key[0], key[2]))
         wanted = [x for x in inputs if x.requires_grad] + [w for w in weights if w.requires_grad]
         grads: list[Tensor | None] = [None] * len(wanted)
         if pairs and wanted:

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .units import BoundaryError, Unit
 
 Key = tuple[str, int, int]  # a submodule's path in the unit, its call number within one call, the output's leaf
+Site = tuple[str, int]  # a submodule's path and an output's leaf: carried in every call of it
 _TAG = "_slide_probe"  # attribute of a probe copy: (unit, what it copies)
 _HOW = (
     "SlideFormer runs each block (and the other streamed modules) without a graph and differentiates only what goes"
@@ -47,7 +48,7 @@ class Guard:
     def __init__(self, names: dict[nn.Parameter, str], trained: set[nn.Parameter]) -> None:
         self.probing = True  # until the first training backward starts
         self._names, self._trained = names, trained
-        self.carried: dict[Unit, set[Key]] = defaultdict(set)
+        self.carried: dict[Unit, set[Site]] = defaultdict(set)
 
     # ---- one node's probe ----------------------------------------------------------------------------------------
 
@@ -129,23 +130,23 @@ class Guard:
 
 
 @contextmanager
-def submodule_outputs(module: nn.Module, keys: set[Key] | None) -> Iterator[dict[Key, Callable[[], Tensor | None]]]:
-    """Collect, while active, the floating-point tensors ``module``'s submodules return, by :data:`Key`: ``keys`` only,
-    or (``None``, the probe) all, held weakly: what is still alive after the call is what left the module."""
+def submodule_outputs(module: nn.Module, sites: set[Site] | None) -> Iterator[dict[Key, Callable[[], Tensor | None]]]:
+    """Collect, while active, the floating-point tensors ``module``'s submodules return, by :data:`Key`: at ``sites``
+    only, or (``None``, the probe) all, held weakly: what is still alive after the call is what left the module."""
     found: dict[Key, Callable[[], Tensor | None]] = {}
-    if keys is not None and not keys:
+    if sites is not None and not sites:
         yield found
         return
     calls: dict[str, int] = defaultdict(int)
-    paths = None if keys is None else {path for path, _, _ in keys}
+    paths = None if sites is None else {path for path, _ in sites}
 
     def hook(path: str, _module: nn.Module, _args: Any, output: Any) -> None:
         call = calls[path]
         calls[path] += 1
         for i, leaf in enumerate(tree_flatten(output)[0]):
             key = (path, call, i)
-            if isinstance(leaf, Tensor) and leaf.is_floating_point() and (keys is None or key in keys):
-                found[key] = weakref.ref(leaf) if keys is None else partial(_same, leaf)
+            if isinstance(leaf, Tensor) and leaf.is_floating_point() and (sites is None or (path, i) in sites):
+                found[key] = weakref.ref(leaf) if sites is None else partial(_same, leaf)
 
     handles = [
         sub.register_forward_hook(lambda m, a, o, path=path: hook(path, m, a, o))
