@@ -272,3 +272,20 @@ def test_nvme_masters_on_cuda_train_like_ram(tmp_path):
                                               nvme_masters=True), **kwargs)  # fmt: skip
     err, where = max_rel_error(disk, ram)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_moe_aux_loss_and_a_peft_embedding_on_cuda_match():
+    # the guard's carried router logits and a peft layer streamed whole, on the device
+    from peft import LoraConfig, get_peft_model
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, num_local_experts=4,
+                           num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)  # fmt: skip
+    module = CausalLM(config)
+    module.model = get_peft_model(module.model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
+    kwargs = dict(accelerator="gpu", gradient_clip_val=0.5, accumulate_grad_batches=2, steps=4)
+    ref, _ = fit(module, "auto", **kwargs)
+    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
