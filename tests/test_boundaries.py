@@ -94,6 +94,27 @@ def test_peft_methods_train_as_plain_lightning(case):
     assert all(not torch.equal(ours[k], start[k]) for k in moved)
 
 
+@pytest.mark.parametrize("target", ["router", "experts"])
+def test_peft_lora_on_bare_parameters_trains_as_plain_lightning(target):
+    # peft's ParamWrapper (LoRA on an nn.Parameter: Mixtral's router weight, its fused experts) adds a parametrization
+    # in each forward: its set_ on one weight must not mark the block's other weights, views of one slot, as modified
+    from peft import LoraConfig, get_peft_model
+
+    targets = {"router": dict(target_modules=["q_proj", "gate"]),
+               "experts": dict(target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])}  # fmt: skip
+    module = CausalLM(_moe_config("mixtral", aux=True))
+    module.model = get_peft_model(module.model, LoraConfig(r=4, **targets[target]))
+    for name, p in module.model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.02)
+    ref, _ = fit(module, "auto", **KWARGS)
+    ours, trained = fit(module, SlideFormerStrategy(num_slots=2), **KWARGS)
+    err, where = max_rel_error(ours, ref)
+    assert err < TOL, f"{where}: {err:.2e}"
+    for m in trained.modules():  # no device copy left behind as a buffer beside its parameter
+        assert not set(m._buffers) & set(m._parameters)
+
+
 def _refused(module: L.LightningModule, match: str, precision: str = "32-true") -> None:
     before = {k: v.clone() for k, v in module.state_dict().items()}
     trainer = L.Trainer(strategy=SlideFormerStrategy(num_slots=2), accelerator="cpu", devices=1, max_steps=2,

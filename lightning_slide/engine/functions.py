@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .activations import ActivationStash
 from .guard import Guard, Key, Site, submodule_outputs
 from .rows import Contribution
-from .units import Unit, swapped
+from .units import Unit, alias, swapped
 
 
 class UnitHost(Protocol):
@@ -155,7 +155,7 @@ class _UnitFunction(Function):
         engine, unit = call.engine, call.unit
         saved = engine.activations.load(ctx.offloaded) if hasattr(ctx, "offloaded") else ctx.saved_tensors
         inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:])]
-        weights = [w.detach().requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(engine.acquire(unit))]
+        weights = [alias(w).requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(engine.acquire(unit))]
         sites = {(path, leaf) for path, _, leaf in call.extra_keys}
         with torch.enable_grad(), call.replay(), submodule_outputs(unit.module, sites) as found:
             out = call.run(inputs, weights)

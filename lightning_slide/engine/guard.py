@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .units import BoundaryError, Unit
+from .units import BoundaryError, Unit, alias
 
 Key = tuple[str, int, int]  # a submodule's path in the unit, its call number within one call, the output's leaf
 Site = tuple[str, int]  # a submodule's path and an output's leaf: carried in every call of it
@@ -63,7 +63,7 @@ class Guard:
         what += [f"weight '{self._names.get(p, tuple(p.shape))}'" for p in unit.params]
         copies = []
         for t, need, name in zip([*tensors, *weights], [*needs, *wants], what):
-            copy = t.detach().requires_grad_(need)  # the same memory
+            copy = alias(t).requires_grad_(need)  # the same memory
             setattr(copy, _TAG, (unit, name))
             copies.append(copy)
         originals = {id(c): t for c, t in zip(copies, tensors)}

@@ -17,8 +17,8 @@ class BoundaryError(RuntimeError):
 
 
 class Unit:
-    """One module whose parameters are streamed as a group: a transformer block, the embedding, the head,
-    or a small leftover such as the final norm.
+    """One module whose parameters (its submodules' included) are streamed as a group: a transformer block, the
+    embedding, the head, or a small leftover such as the final norm.
 
     The module's parameters stay the fp32 masters on the CPU. While the module computes, each of its
     parameter slots temporarily holds a device copy (``swapped``), so the module's own forward code runs
@@ -29,19 +29,16 @@ class Unit:
         module: the module.
         compute_dtype: dtype of the device copies of matrices (bf16 under bf16-mixed); vectors (norm weights,
             biases) and embedding tables keep fp32, exactly as autocast would compute with them.
-        recurse: take the parameters of submodules too (blocks, head); ``False`` takes only the module's own
-            (a leftover module whose children may be units of their own).
     """
 
-    def __init__(self, name: str, module: nn.Module, compute_dtype: torch.dtype, *, recurse: bool = True) -> None:
+    def __init__(self, name: str, module: nn.Module, compute_dtype: torch.dtype) -> None:
         self.name = name
         self.module = module
         self.forward = module.forward  # the original (bound) forward, called with swapped parameters
         self.entries: list[tuple[nn.Module, str, int]] = []  # (submodule, attribute, index into params)
         self.params: list[nn.Parameter] = []
         index: dict[nn.Parameter, int] = {}
-        subs = module.modules() if recurse else [module]
-        for sub in subs:
+        for sub in module.modules():
             for attr, param in sub._parameters.items():
                 if param is None:
                     continue
@@ -77,6 +74,15 @@ class Unit:
         return f"Unit({self.name})"
 
 
+def alias(t: Tensor) -> Tensor:
+    """``t``'s memory under a tensor with a version counter of its own. A unit's device weights are views of one
+    slot: through ``detach()`` an in-place op on one (a parametrization's ``set_``) would mark every other weight that
+    autograd saved as modified."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
+
+
 @contextmanager
 def swapped(unit: Unit, tensors: list[Tensor]) -> Iterator[None]:
     """Let ``unit.module`` compute with ``tensors`` in place of its parameters (restored on exit)."""
@@ -87,6 +93,9 @@ def swapped(unit: Unit, tensors: list[Tensor]) -> Iterator[None]:
         yield
     finally:
         for sub, attr, param in saved:
+            # a parametrization added and removed in the forward (peft's LoRA on a bare parameter) leaves the copy, not
+            # a Parameter, as a buffer of that name
+            sub._buffers.pop(attr, None)
             sub._parameters[attr] = param
 
 
@@ -133,9 +142,9 @@ def collect_units(
     head: tuple[str, nn.Linear] | None = None,
     whole: list[tuple[str, nn.Module]] = (),
 ) -> tuple[Unit | None, list[Unit], Unit | None, list[Unit]]:
-    """The units of ``model``: its embedding (fp32 rows), its blocks, its head, and every other module that holds
-    parameters of its own (the leftovers: the final norm, a plain model's pieces, and the ``whole`` modules, each
-    with its submodules), with each shared parameter owned by one of them.
+    """The units of ``model``: its embedding (fp32 rows), its blocks, its head, and every other outermost module that
+    holds parameters of its own (the leftovers: the final norm, a plain model's pieces, and the ``whole`` modules),
+    each with the modules inside it, with each shared parameter owned by one of them.
 
     Raises:
         BoundaryError: a leftover also holds blocks (its own parameters could not be streamed apart from them).
@@ -146,23 +155,24 @@ def collect_units(
     named = [u for u in (emb, *stack, top) if u is not None]
     wholes = [Unit(name, module, compute_dtype) for name, module in whole]
     taken = {m for u in (*named, *wholes) for m in u.module.modules()}
-    singles = [
-        Unit(name, m, compute_dtype, recurse=False)
-        for name, m in model.named_modules()
-        if m not in taken and any(p is not None for p in m._parameters.values())
-    ]
-    unit_modules = {u.module: u for u in named}
-    for unit in list(singles):
-        nested = [unit_modules[m] for m in unit.module.modules() if m in unit_modules]
-        if nested and set(unit.params) <= {p for u in nested for p in u.params}:
-            singles.remove(unit)  # its own parameters stream with a unit inside it (BERT's head bias, tied)
-        elif nested or unit.module is model:
-            where = f"'{unit.name}'" if unit.name else "the LightningModule itself"
+    unit_modules = {u.module: u for u in (*named, *wholes)}
+    singles = []
+    for name, m in model.named_modules():  # an outer module comes before the modules inside it
+        own = [p for p in m._parameters.values() if p is not None]
+        if m in taken or not own:
+            continue
+        nested = [unit_modules[sub] for sub in m.modules() if sub in unit_modules]
+        if nested and set(own) <= {p for u in nested for p in u.params}:
+            continue  # its own parameters stream with a unit inside it (BERT's head bias, tied)
+        if nested or m is model:
+            where = f"'{name}'" if name else "the LightningModule itself"
             raise BoundaryError(
                 f"{where} registers parameters of its own and also holds streamed modules"
                 f" ({[u.name for u in nested[:3]]}...). SlideFormer streams such parameters only from a leaf of the"
                 " model: move them into a submodule (e.g. an nn.Linear) that the forward calls."
             )
+        singles.append(Unit(name, m, compute_dtype))  # with the modules inside it: its forward may call them
+        taken.update(m.modules())
     leftovers = wholes + singles
     # NOTE: a parameter used by several units (tied input/output embeddings) is owned by the first of them in forward
     # order, whose backward comes last; the others' gradients wait for it, so it moves and updates once with the sum.
