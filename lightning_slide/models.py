@@ -11,6 +11,8 @@ from functools import wraps
 
 from torch import Tensor, nn
 
+from .engine.units import replace_forward
+
 log = logging.getLogger(__name__)
 
 # Families whose ForCausalLM.forward is exactly "base model -> lm_head -> ForCausalLMLoss", so computing the loss
@@ -188,9 +190,4 @@ def install_causal_lm_loss(model: nn.Module, loss: Callable[..., Tensor]) -> Cal
             loss=value, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
 
-    model.forward = forward
-
-    def restore() -> None:
-        model.__dict__.pop("forward", None)
-
-    return restore
+    return replace_forward(model, forward)

@@ -116,7 +116,9 @@ def test_peft_lora_on_bare_parameters_trains_as_plain_lightning(target):
 
 
 def _refused(module: L.LightningModule, match: str, precision: str = "32-true") -> None:
+    # refused before any weight changes, and the model left as given (its own forwards back)
     before = {k: v.clone() for k, v in module.state_dict().items()}
+    forwards = {name: m.__dict__.get("forward") for name, m in module.named_modules()}
     trainer = L.Trainer(strategy=SlideFormerStrategy(num_slots=2), accelerator="cpu", devices=1, max_steps=2,
                         precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
@@ -124,6 +126,7 @@ def _refused(module: L.LightningModule, match: str, precision: str = "32-true") 
         trainer.fit(module, DataLoader(TensorDataset(token_data()), batch_size=4))
     for k, v in module.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed before the refusal"
+    assert {name: m.__dict__.get("forward") for name, m in module.named_modules()} == forwards
 
 
 def test_layers_sharing_keys_and_values_are_refused_before_any_update():

@@ -197,17 +197,25 @@ def test_hf_gradient_checkpointing_is_off_while_training_and_restored_after():
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
-def test_hf_gradient_checkpointing_is_restored_after_an_exception():
+def test_the_model_is_left_as_given_after_an_exception():
+    # what the strategy switches while it trains (gradient checkpointing, use_cache, the modules' forwards, the loss)
+    # comes back when training_step raises, as after fit
     class Fails(CausalLM):
         def training_step(self, batch, batch_idx):
             raise RuntimeError("user error in training_step")
 
     module = Fails(tiny_config("llama"))
     module.model.gradient_checkpointing_enable()
+    before = {k: (v.dtype, v.device, v.clone()) for k, v in module.state_dict().items()}
     trainer = _trainer(strategy=SlideFormerStrategy(num_slots=2), max_steps=1)
     with pytest.raises(RuntimeError, match="user error"):
         trainer.fit(module, _loader())
     assert any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
+    assert module.model.config.use_cache
+    assert not [name for name, m in module.named_modules() if "forward" in m.__dict__]
+    for k, v in module.state_dict().items():
+        assert (v.dtype, v.device) == before[k][:2]
+        assert torch.equal(v, before[k][2])
 
 
 def _attention_seen():

@@ -46,7 +46,7 @@ from .state_io import StateIO
 from .step import Step
 from .tiling import TiledMLP, gated_mlp
 from .transfer import Transfer
-from .units import Unit, collect_units, in_forward_order, move_except_parameters
+from .units import Unit, collect_units, in_forward_order, move_except_parameters, replace_forward
 from .updates import Updates
 from .window import Window, WindowStats, window_bytes
 from .worker import CpuWorker
@@ -161,6 +161,7 @@ class SlideEngine:
         self.offloading: int | None = 0  # the first blocks whose inputs go to the host; None: "auto", undecided
         self.tiling: bool | None = None  # whether the blocks' MLPs run on slices of the tokens; None: undecided
         self._tiled: list[TiledMLP] = []
+        self._unpatch: list = []  # what puts the modules' own forwards back
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self.step: Step | None = None  # the optimizer step's lifecycle (training only; step.py)
         self.guard: Guard | None = None  # what crosses the managed modules' boundaries (training only; guard.py)
@@ -349,14 +350,15 @@ class SlideEngine:
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
 
     def _patch(self) -> None:
+        patch = self._unpatch.append
         for unit in self.blocks:
-            unit.module.forward = partial(self._block_forward, unit)
+            patch(replace_forward(unit.module, partial(self._block_forward, unit)))
             if self.activations is not None and (mlp := gated_mlp(unit.module)) is not None:
                 self._tiled.append(TiledMLP(mlp))
         if self.embedding is not None:
-            self.embedding.module.forward = self._embedding_forward
+            patch(replace_forward(self.embedding.module, self._embedding_forward))
         for unit in self._own_buffer_units():
-            unit.module.forward = partial(self._unit_forward, unit)
+            patch(replace_forward(unit.module, partial(self._unit_forward, unit)))
 
     def teardown(self) -> None:
         """Finish pending work, restore the modules' own forwards and move non-parameter state back."""
@@ -366,8 +368,8 @@ class SlideEngine:
         try:
             self.wait()
         finally:
-            for unit in self.units:
-                unit.module.__dict__.pop("forward", None)
+            while self._unpatch:
+                self._unpatch.pop()()
             for tiled in self._tiled:
                 tiled.restore()
             self._tiled = []

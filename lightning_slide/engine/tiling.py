@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from .units import Unit, swapped
+from .units import Unit, replace_forward, swapped
 
 TILES = 8
 
@@ -38,10 +38,7 @@ class TiledMLP:
         self.unit = Unit("mlp", mlp, torch.float32)  # its parameter slots, and its own forward
         self.tiles = tiles
         self.active = False
-        mlp.forward = self
-
-    def restore(self) -> None:
-        self.unit.module.__dict__.pop("forward", None)
+        self.restore = replace_forward(mlp, self)
 
     def __call__(self, x: Tensor) -> Tensor:
         if not self.active:

@@ -3,7 +3,7 @@ memory they land in."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -72,6 +72,21 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.name})"
+
+
+def replace_forward(module: nn.Module, forward: Callable) -> Callable[[], None]:
+    """Make ``forward`` ``module``'s forward; returns a function that puts back what was there (a forward the user
+    set on the instance, or none)."""
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+
+    def restore() -> None:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+
+    return restore
 
 
 def alias(t: Tensor) -> Tensor:
