@@ -19,7 +19,7 @@ from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .activations import ActivationStash
-from .guard import Guard, Key, Site, submodule_outputs
+from .guard import Guard, Key, Site, extra_outputs, submodule_outputs
 from .rows import Contribution
 from .units import Unit, alias, swapped
 
@@ -127,17 +127,10 @@ class _UnitFunction(Function):
         call.out_positions = [i for i, x in enumerate(flat_out) if isinstance(x, Tensor)]
         call.out_leaves = [None if isinstance(x, Tensor) else x for x in flat_out]
         outs = tuple(flat_out[i] for i in call.out_positions)
-        passed = {id(t) for t in tensors}
-        taken = {id(t) for t in outs} | passed
-        extras = {}
-        for key, ref in found.items():  # once each, what the node does not return already
-            t = ref()
-            if t is None or id(t) in taken or (call.probe and (not t.requires_grad or Guard.is_copy(t))):
-                continue
-            taken.add(id(t))
-            extras[key] = t
+        extras = extra_outputs(found, outs, tensors, probe=call.probe)
         if call.probe:
-            made = [o for o in outs if o.requires_grad and id(o) not in passed]  # not an argument returned as it is
+            passed = {id(t) for t in tensors}  # an argument returned as it is was not made here
+            made = [o for o in outs if o.requires_grad and id(o) not in passed]
             engine.guard.check_node(unit, made + list(extras.values()))
         call.extra_keys = list(extras)
         ctx.set_materialize_grads(False)

@@ -73,11 +73,6 @@ class Guard:
         flat, spec = tree_flatten(out)
         return tree_unflatten([originals.get(id(x), x) for x in flat], spec), found
 
-    @staticmethod
-    def is_copy(tensor: Tensor) -> bool:
-        """Whether ``tensor`` is one of a probe's copies."""
-        return hasattr(tensor, _TAG)
-
     def check_node(self, unit: Unit, roots: list[Tensor]) -> None:
         """``unit``'s probe produced ``roots`` (its outputs and carried submodule outputs): they must depend on no
         tensor of another node's computation and on no parameter read directly."""
@@ -158,6 +153,22 @@ def submodule_outputs(module: nn.Module, sites: set[Site] | None) -> Iterator[di
     finally:
         for handle in handles:
             handle.remove()
+
+
+def extra_outputs(
+    found: dict[Key, Callable[[], Tensor | None]], outs: tuple[Tensor, ...], args: tuple[Tensor, ...], *, probe: bool
+) -> dict[Key, Tensor]:
+    """The submodule outputs (from :func:`submodule_outputs`) a node returns after its own ``outs``: each once, none it
+    returns already or was given; in the probe only those that need a gradient, and none of the probe's copies."""
+    taken = {id(t) for t in (*outs, *args)}
+    extras = {}
+    for key, ref in found.items():
+        t = ref()
+        if t is None or id(t) in taken or (probe and (not t.requires_grad or hasattr(t, _TAG))):
+            continue
+        taken.add(id(t))
+        extras[key] = t
+    return extras
 
 
 def _same(tensor: Tensor) -> Tensor:

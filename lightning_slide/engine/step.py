@@ -162,7 +162,7 @@ class Step:
             raise RuntimeError(
                 f"SlideFormer cannot train {', '.join(repr(n) for n in names[:3])}"
                 f"{f' and {len(names) - 3} more' if len(names) > 3 else ''}: each was used outside the forward of the"
-                " module that holds it (a peft layer reading its adapter weights directly, say), so the engine took no"
+                " module that holds it (a layer reading another layer's weight, say), so the engine took no"
                 " gradient of it, and an update would escape the step's clipping. Freeze it (requires_grad=False) or"
                 " leave it out of the optimizer."
             )
