@@ -248,6 +248,11 @@ class TextDataModule(L.LightningDataModule):
         self.val_rows: dict[str, Tensor] | None = None
         self._resume: dict[str, int] | None = None
 
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens of each batch (rows of ``seq_len``), for the strategy's placement plan."""
+        return self.batch_size * self.seq_len
+
     def setup(self, stage: str) -> None:
         if self.train_rows is not None:
             return

@@ -26,7 +26,8 @@ class SlideFormerPrecision(Precision):
     the GPU as bf16, which is what autocast would cast them to, while vectors (norm weights, biases), the
     embedding rows and the residual stream stay fp32. ``"32-true"`` (Lightning's default) computes in fp32
     throughout. Either way the masters and the optimizer state are fp32 on the CPU; the optimizer's ``step()`` is
-    called as in Lightning, and the engine's step hook on it queues the update (``engine/step.py``).
+    called as in Lightning, and the engine's step hook on it queues the update (``engine/step.py``). Without an engine
+    (the resident tier: the whole model on the device) it is Lightning's own precision plugin.
 
     Args:
         precision: ``"bf16-mixed"`` or ``"32-true"``.
@@ -90,6 +91,8 @@ class SlideFormerPrecision(Precision):
 
     @override
     def _wrap_closure(self, model: pl.LightningModule, optimizer: Any, closure: Callable[[], Any]) -> Any:
+        if self.engine is None:  # the resident tier: plain training
+            return super()._wrap_closure(model, optimizer, closure)
         closure_result = closure()
         step = self.engine.step
         step.grads_ready()  # before the hooks and clipping, which read the gradients
@@ -103,6 +106,8 @@ class SlideFormerPrecision(Precision):
     ) -> Any:
         # NOTE: the closure runs here, not inside optimizer.step(closure) as Lightning's default has it: within torch's
         # step wrappers (dynamo disabled) the Python of the forward and backward ran slower (benchmarks/NOTES.md).
+        if self.engine is None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
         self.engine.step.begin(model.trainer.global_step)
         closure_result = self._wrap_closure(model, optimizer, closure)
         optimizer.step(**kwargs)  # its post-hook ends the engine's step (engine/step.py); it finds no param.grad
@@ -115,6 +120,9 @@ class SlideFormerPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
+        if self.engine is None:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+            return
         if clip_val <= 0:
             return
         algorithm = "value" if gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "norm"

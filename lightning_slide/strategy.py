@@ -28,7 +28,19 @@ from .engine.machine import available_host_bytes, device_budget, locked_memory_l
 from .engine.planner import check_host, window_slots
 from .loss import causal_lm_loss
 from .models import disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
-from .placement import SCHEDULES, EngineOptions, choose_engine, frozen_to_store, half_trained, resolve_schedule
+from .placement import (
+    PLACEMENTS,
+    SCHEDULES,
+    EngineOptions,
+    Tier,
+    check_batch_tokens,
+    choose_engine,
+    choose_tier,
+    frozen_to_store,
+    half_trained,
+    resolve_schedule,
+    tokens_ahead,
+)
 from .precision import SlideFormerPrecision
 
 log = logging.getLogger(__name__)
@@ -89,6 +101,13 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             ``"slide"`` requires it, ``"slide_kernel"`` requires it and sends dense batches to the kernel too
             (``"slide"`` gives those to PyTorch's cuDNN attention where it runs them), ``None`` keeps the model's own.
             Restored when training ends.
+        placement: ``"auto"`` trains the whole model on the GPU as plain Lightning does (nothing streams, torch's
+            optimizer steps there) when parameters, gradients, optimizer state and activations fit the GPU memory the
+            process may use, and streams otherwise; ``"stream"`` always streams. Decided at setup, logged.
+        device_memory_gib: the device memory the plan may use (within what the GPU has free); on the CPU, a budget
+            that lets ``placement="auto"`` place the model there (tests). ``None``: the GPU's free memory.
+        tokens_per_batch: tokens per micro-batch for the plan; ``None``: the datamodule's ``tokens_per_batch``, else
+            those of the first batch, fetched ahead (the run still draws the same batches).
         engine: the engine's mechanism knobs (:class:`~lightning_slide.engine.EngineConfig`): transfer chunks,
             landing buffers, the embedding's update variants, bf16 retained gradients.
     """
@@ -111,6 +130,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
         attention: Literal["auto", "slide", "slide_kernel"] | None = "auto",
+        placement: Literal["auto", "stream"] = "auto",
+        device_memory_gib: float | None = None,
+        tokens_per_batch: int | None = None,
         engine: EngineConfig | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
@@ -130,6 +152,12 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             raise TypeError(f"engine must be a lightning_slide.engine.EngineConfig; got {type(engine).__name__}.")
         if offload_activations not in (True, False, "auto"):
             raise ValueError(f"offload_activations must be True, False or 'auto'; got {offload_activations!r}.")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}.")
+        if device_memory_gib is not None and (isinstance(device_memory_gib, bool) or not device_memory_gib > 0):
+            raise ValueError(f"device_memory_gib must be a number > 0 or None; got {device_memory_gib!r}.")
+        if tokens_per_batch is not None and (not isinstance(tokens_per_batch, int) or tokens_per_batch < 1):
+            raise ValueError(f"tokens_per_batch must be a positive int or None; got {tokens_per_batch!r}.")
         if half_weights not in ("fp32_masters", "keep"):
             raise ValueError(f"half_weights must be 'fp32_masters' or 'keep'; got {half_weights!r}.")
         if optimizer_offload not in ("auto", "cpu", "nvme"):
@@ -162,6 +190,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
+        self.placement = placement
+        self.device_memory_gib = device_memory_gib
+        self.tokens_per_batch = tokens_per_batch
+        self.tier: Tier | None = None  # the plan's choice, at setup
         self.engine_config = engine or EngineConfig()
         self.engine: SlideEngine | None = None
         self._restores: list = []  # undo what setup changed on the user's model, at teardown
@@ -249,6 +281,29 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             if restore is not None:
                 self._restores.append(restore)
 
+        dtype = self.precision_plugin.compute_dtype
+        frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
+        half = half_trained(optimizer) if optimizer is not None else []
+        widen = half if self.half_weights == "fp32_masters" else []
+        stored = {**dict.fromkeys(frozen, dtype.itemsize), **dict.fromkeys(widen, 4)}
+        budget = device_budget(self.root_device)
+        if self.device_memory_gib is not None:
+            budget = min(budget or 1 << 62, int(self.device_memory_gib * 2**30))
+        placement = "stream" if self.optimizer_offload == "nvme" else self.placement
+        tokens = tokens_ahead(trainer, self.tokens_per_batch) if placement == "auto" and budget else None
+        loss = self.install_loss and layout.causal_lm is not None
+        self.tier = choose_tier(placement, layout, module, optimizer, dtype, stored, tokens, budget, not loss)
+        # NOTE: the GPU's memory, and the plan with it, depend less on how the allocator splits its segments.
+        if cuda and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+            settings = getattr(torch._C, "_accelerator_setAllocatorSettings", torch.cuda.memory._set_allocator_settings)
+            settings("expandable_segments:True")
+        # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
+        self.precision_plugin.device = self.root_device.type
+        if self.tier.resident:
+            self._convert(frozen, widen, half, dtype)
+            self._setup_resident(module, layout, dtype, fitting)
+            return
+
         options = EngineOptions(
             num_slots=3 if self.num_slots == "auto" else self.num_slots, update_schedule=self.update_schedule,
             on_nonfinite=self.on_nonfinite,
@@ -256,11 +311,6 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
             nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
         )  # fmt: skip
-        dtype = self.precision_plugin.compute_dtype
-        frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
-        half = half_trained(optimizer) if optimizer is not None else []
-        widen = half if self.half_weights == "fp32_masters" else []
-        stored = {**dict.fromkeys(frozen, dtype.itemsize), **dict.fromkeys(widen, 4)}
         available = available_host_bytes()
         self.engine, plan = choose_engine(module, layout, self.root_device, dtype, optimizer, schedule, trainer,
                                           options, stored, available)  # fmt: skip
@@ -278,25 +328,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         if self.num_slots == "auto":
             self.engine.num_slots = window_slots(self.engine.device_bytes(3), device_budget(self.root_device))
         self.precision_plugin.engine = self.engine
-        # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
-        self.precision_plugin.device = self.root_device.type
-        log.info("SlideFormer %s", plan.describe())
+        log.info("SlideFormer streams the model (%s); %s", self.tier.reason, plan.describe())
         disk_free = shutil.disk_usage(self.engine.nvme_path).free if self.engine.nvme_path else None
         check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
-        for p in frozen:  # after every check, before pinning
-            p.data = p.data.to(dtype)
-        if half and not widen:
-            log.info("SlideFormer steps the %d parameters loaded in %s in that dtype, as plain Lightning does"
-                     " (half_weights='keep').", len(half), half[0].dtype)  # fmt: skip
-        if widen:
-            log.info(
-                "SlideFormer trains the %d parameters loaded in %s with fp32 master weights made from them (%.2f GiB"
-                " more RAM; they stay fp32 after training): the optimizer steps in fp32, and the GPU computes with"
-                " bf16 copies under bf16-mixed; half_weights='keep' steps the bf16 values as plain Lightning does.",
-                len(widen), widen[0].dtype, sum(p.numel() for p in widen) * 2 / 2**30,
-            )  # fmt: skip
-            for p in widen:
-                p.data = p.data.float()
+        self._convert(frozen, widen, half, dtype)  # after every check, before pinning
         if cuda and dtype == torch.float32:
             log.info(
                 "SlideFormer computes in fp32 (precision='32-true', Lightning's default): Trainer(precision="
@@ -312,6 +347,46 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 install_causal_lm_loss(
                     layout.causal_lm,
                     lambda hidden, labels, **kw: engine.head_loss(hidden, labels, causal_lm_loss, **kw),
+                )
+            )
+        self.model = module
+        if fitting:
+            self.setup_precision_plugin()
+
+    def _convert(self, frozen: list[nn.Parameter], widen: list[nn.Parameter], half: list[nn.Parameter],
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        # the storage the plan counted: frozen matrices in the compute dtype, fp32 masters of half trained weights
+        for p in frozen:
+            p.data = p.data.to(dtype)
+        if half and not widen:
+            log.info("SlideFormer steps the %d parameters loaded in %s in that dtype, as plain Lightning does"
+                     " (half_weights='keep').", len(half), half[0].dtype)  # fmt: skip
+        if widen:
+            log.info(
+                "SlideFormer trains the %d parameters loaded in %s with fp32 master weights made from them (%.2f GiB"
+                " more RAM; they stay fp32 after training): the optimizer steps in fp32, and the GPU computes with"
+                " bf16 copies under bf16-mixed; half_weights='keep' steps the bf16 values as plain Lightning does.",
+                len(widen), widen[0].dtype, sum(p.numel() for p in widen) * 2 / 2**30,
+            )  # fmt: skip
+            for p in widen:
+                p.data = p.data.float()
+
+    def _setup_resident(self, module: Any, layout: Any, dtype: torch.dtype, fitting: bool) -> None:
+        # the resident tier: plain training on the device, with the logits-free loss on the head's own weights
+        tier = self.tier
+        log.info(
+            "SlideFormer trains the whole model on %s, as plain Lightning does (nothing streams): it needs %s at"
+            " %d tokens per batch; batches of up to %s tokens fit.", self.root_device, tier.reason, tier.tokens,
+            tier.max_tokens,
+        )  # fmt: skip
+        module.to(self.root_device)
+        self.precision_plugin.engine = None
+        if self.install_loss and layout.causal_lm is not None:
+            head = layout.causal_lm.get_output_embeddings()
+            self._restores.append(
+                install_causal_lm_loss(
+                    layout.causal_lm,
+                    lambda hidden, labels, **kw: causal_lm_loss(hidden, head.weight.to(dtype), labels, head.bias, **kw),
                 )
             )
         self.model = module
@@ -345,6 +420,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if args and self.tier is not None and self.tier.max_tokens is not None:
+            check_batch_tokens(args[0], self.tier.max_tokens)
         with _explain_oom(self):
             return super().training_step(*args, **kwargs)
 
@@ -460,6 +537,12 @@ def _explain_oom(strategy: SlideFormerStrategy) -> Generator[None, None, None]:
         if _OOM_EXPLAINED in str(err):  # by an inner call (the training step runs inside the optimizer step)
             raise
         engine = strategy.engine
+        if engine is None and strategy.tier is not None and strategy.tier.resident:
+            raise torch.OutOfMemoryError(
+                f"{err}\n{_OOM_EXPLAINED}. The plan put the whole model on the GPU ({strategy.tier.reason}), and this"
+                " step needed more. SlideFormerStrategy(placement='stream') streams it, or lower the tokens per step"
+                " (batch size or sequence length, and use accumulate_grad_batches instead)."
+            ) from err
         window = engine.device_bytes() / 2**30 if engine else float("nan")
         offload = "" if engine and engine.offloading else " SlideFormerStrategy(offload_activations=True),"
         slots = engine.num_slots if engine else strategy.num_slots

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_slide  # noqa: F401  (registers the strategy)
+import lightning_slide
 
 CUDA = torch.cuda.is_available()
 VOCAB = 101
@@ -111,6 +111,11 @@ class StackLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.05)
+
+
+def streamed(**kwargs):
+    """The strategy that always streams: on CUDA, "auto" places a test's small model whole on the GPU."""
+    return lightning_slide.SlideFormerStrategy(placement="stream", **kwargs)
 
 
 def token_data(n: int = 16, seq: int = SEQ, seed: int = 0) -> torch.Tensor:

@@ -23,6 +23,7 @@ from helpers import (
     global_error,
     max_rel_error,
     record_splits,
+    streamed,
     tiny_config,
     token_data,
 )
@@ -446,7 +447,7 @@ def test_bf16_retained_gradients_train_the_same_bits_as_fp32_ones(case, accelera
     probe = _RetainedGrads()
 
     def strategy(compact: bool) -> SlideFormerStrategy:  # forced: "auto" would keep fp32 where it fits
-        return SlideFormerStrategy(num_slots=2, engine=EngineConfig(chunk_numel=256, compact_retained_grads=compact))
+        return streamed(num_slots=2, engine=EngineConfig(chunk_numel=256, compact_retained_grads=compact))
 
     compact, _ = fit(module, strategy(True), precision="bf16-mixed", callbacks=[probe], **kwargs)
     wide, _ = fit(module, strategy(False), precision="bf16-mixed", **kwargs)
@@ -797,7 +798,7 @@ def test_forward_schedule_updates_the_embedding_in_two_parts_exactly(
     started = record_splits(monkeypatch)
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto", **kwargs)
-    strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(chunk_numel=10 * 32), **strategy_kwargs)
+    strategy = streamed(num_slots=2, engine=EngineConfig(chunk_numel=10 * 32), **strategy_kwargs)
     ours, _ = fit(module, strategy, callbacks=callbacks, **kwargs)
     assert len(started) == (6 if splits else 0)
     err, where = max_rel_error(ours, ref)

@@ -4,8 +4,17 @@ and errors raised before memory is pinned."""
 import pytest
 import torch
 
-from helpers import CausalLM, StackLM, count_deferred_gathers, fit, global_error, max_rel_error, tiny_config, token_data
-from lightning_slide import SlideFormerStrategy
+from helpers import (
+    CausalLM,
+    StackLM,
+    count_deferred_gathers,
+    fit,
+    global_error,
+    max_rel_error,
+    streamed,
+    tiny_config,
+    token_data,
+)
 from lightning_slide.engine import EngineConfig
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +28,7 @@ def test_cuda_fp32_matches_plain(tied, clip, accumulate, schedule):
     module = CausalLM(tiny_config("llama", tied=tied))
     kwargs = dict(accelerator="gpu", gradient_clip_val=clip, accumulate_grad_batches=accumulate)
     ref, _ = fit(module, "auto", **kwargs)
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2, update_schedule=schedule), **kwargs)
+    ours, _ = fit(module, streamed(num_slots=2, update_schedule=schedule), **kwargs)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -29,7 +38,7 @@ def test_cuda_bf16_within_twice_plain_bf16_error(clip):
     module = CausalLM(tiny_config("qwen3", tied=True))
     ref32, _ = fit(module, "auto", accelerator="gpu", gradient_clip_val=clip)
     plain16, _ = fit(module, "auto", accelerator="gpu", precision="bf16-mixed", gradient_clip_val=clip)
-    ours16, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu", precision="bf16-mixed",
+    ours16, _ = fit(module, streamed(num_slots=2), accelerator="gpu", precision="bf16-mixed",
                     gradient_clip_val=clip)  # fmt: skip
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
 
@@ -48,7 +57,7 @@ def _low_intensity_run(strategy, clip):
 
 @pytest.mark.parametrize(("clip", "schedule"), [(None, "auto"), (1.0, "auto"), (1.0, "norm-first")])
 def test_low_arithmetic_intensity_exposes_missing_synchronization(clip, schedule):
-    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, update_schedule=schedule), clip)
+    ref, ours = _low_intensity_run(streamed(num_slots=2, update_schedule=schedule), clip)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -58,7 +67,7 @@ def test_deferred_embedding_rows_on_cuda_match(monkeypatch):
     # rows while the worker updates those it reads, then those
     gathers = count_deferred_gathers(monkeypatch)
     split = EngineConfig(split_embedding_update=True)
-    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, update_schedule="backward", engine=split), None)
+    ref, ours = _low_intensity_run(streamed(num_slots=2, update_schedule="backward", engine=split), None)
     assert sum(gathers) == 3  # steps 2 to 4
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -66,7 +75,7 @@ def test_deferred_embedding_rows_on_cuda_match(monkeypatch):
 
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_activation_offload_on_cuda_matches(clip):
-    ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2, offload_activations=True), clip)
+    ref, ours = _low_intensity_run(streamed(num_slots=2, offload_activations=True), clip)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -85,7 +94,7 @@ def test_activation_offload_with_busy_compute_stream_matches():
     # freed activation memory is handed out again while kernels still read it (the fetch must wait for them)
     module, kwargs = _busy_run(layers=6)
     ref, _ = fit(module, "auto", **kwargs)
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2, offload_activations=True), **kwargs)
+    ours, _ = fit(module, streamed(num_slots=2, offload_activations=True), **kwargs)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -96,7 +105,7 @@ def test_low_intensity_check_detects_a_missing_wait(monkeypatch):
 
     monkeypatch.setattr(Transfer, "wait", lambda self, event: None)  # compute no longer waits for copies
     try:
-        ref, ours = _low_intensity_run(SlideFormerStrategy(num_slots=2), None)
+        ref, ours = _low_intensity_run(streamed(num_slots=2), None)
     except NonFiniteGradientError:
         return  # half-copied weights made NaN gradients: caught too
     err, _ = max_rel_error(ours, ref)
@@ -106,7 +115,7 @@ def test_low_intensity_check_detects_a_missing_wait(monkeypatch):
 def test_dropout_model_on_cuda_matches():
     module = StackLM(dropout=0.3)
     ref, _ = fit(module, "auto", accelerator="gpu")
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu")
+    ours, _ = fit(module, streamed(num_slots=2), accelerator="gpu")
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 
@@ -121,7 +130,7 @@ def test_masters_are_pinned_and_buffers_on_gpu_during_training():
             seen["pinned"] = all(p.is_pinned() and p.device.type == "cpu" for p in module.parameters())
             seen["buffers"] = {b.device.type for b in module.buffers()}
 
-    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1, callbacks=[Look()])
+    fit(CausalLM(tiny_config("llama")), streamed(), accelerator="gpu", steps=1, callbacks=[Look()])
     assert seen == {"pinned": True, "buffers": {"cuda"}}
 
 
@@ -134,7 +143,7 @@ def test_bad_optimizer_fails_before_pinning():
     from torch.utils.data import DataLoader, TensorDataset
 
     model = Bad()
-    trainer = L.Trainer(strategy=SlideFormerStrategy(), accelerator="gpu", devices=1, max_steps=1, logger=False)
+    trainer = L.Trainer(strategy=streamed(), accelerator="gpu", devices=1, max_steps=1, logger=False)
     with pytest.raises(TypeError, match="supports torch.optim.AdamW"):
         trainer.fit(model, DataLoader(TensorDataset(token_data()), batch_size=4))
     assert not any(p.is_pinned() for p in model.parameters())
@@ -156,7 +165,7 @@ def test_cpu_run_on_a_cuda_machine_autocasts_on_the_cpu():
     module = CausalLM(tiny_config("llama"))
     ref32, _ = fit(module, "auto", accelerator="cpu")
     plain16, _ = fit(module, "auto", accelerator="cpu", precision="bf16-mixed")
-    ours16, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="cpu", precision="bf16-mixed")
+    ours16, _ = fit(module, streamed(num_slots=2), accelerator="cpu", precision="bf16-mixed")
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
 
 
@@ -164,9 +173,9 @@ def test_window_that_does_not_fit_names_the_setting(monkeypatch):
     torch.cuda.empty_cache()  # cached blocks count as free to the window check
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 30))  # 1 MiB free
     with pytest.raises(torch.OutOfMemoryError, match=r"num_slots=\.\.\.\) \(minimum 2\)"):
-        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=3), accelerator="gpu", steps=1)
+        fit(CausalLM(tiny_config("llama")), streamed(num_slots=3), accelerator="gpu", steps=1)
     with pytest.raises(torch.OutOfMemoryError, match=r"window of 2 block slots.*Free GPU memory"):
-        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)  # "auto": 2
+        fit(CausalLM(tiny_config("llama")), streamed(), accelerator="gpu", steps=1)  # "auto": 2
 
 
 def test_pinning_failure_is_a_clear_error(monkeypatch):
@@ -181,7 +190,7 @@ def test_pinning_failure_is_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", no_pinning)
     with pytest.raises(PinnedMemoryError, match="ulimit -l"):
-        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(), accelerator="gpu", steps=1)
+        fit(CausalLM(tiny_config("llama")), streamed(), accelerator="gpu", steps=1)
 
 
 def test_registered_host_memory_trains_exactly_and_is_released(monkeypatch):
@@ -208,7 +217,7 @@ def test_registered_host_memory_trains_exactly_and_is_released(monkeypatch):
 
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto", accelerator="gpu")
-    strategy = SlideFormerStrategy(num_slots=2, engine=EngineConfig(register_min_bytes=0))  # every buffer registered
+    strategy = streamed(num_slots=2, engine=EngineConfig(register_min_bytes=0))  # every buffer registered
     ours, _ = fit(module, strategy, accelerator="gpu", callbacks=[Look()])
     assert registered
     assert min(registered) > 0
@@ -222,7 +231,7 @@ def test_registration_failure_is_a_clear_error(monkeypatch):
     from lightning_slide.engine import transfer
 
     monkeypatch.setattr(transfer, "_cuda_register", lambda ptr, nbytes: 2)  # cudaErrorMemoryAllocation
-    strategy = SlideFormerStrategy(engine=EngineConfig(register_min_bytes=0))
+    strategy = streamed(engine=EngineConfig(register_min_bytes=0))
     with pytest.raises(PinnedMemoryError, match="ulimit -l"):
         fit(CausalLM(tiny_config("llama")), strategy, accelerator="gpu", steps=1)
 
@@ -237,7 +246,7 @@ def test_tiled_mlps_on_cuda_match(monkeypatch, precision):
     monkeypatch.setattr(SlideEngine, "device_bytes", lambda self, num_slots=None: 0)  # window fits
     module, kwargs = _busy_run(layers=4)
     ref, _ = fit(module, "auto", **kwargs)
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), precision=precision, **kwargs)
+    ours, _ = fit(module, streamed(num_slots=2), precision=precision, **kwargs)
     if precision == "32-true":
         err, where = max_rel_error(ours, ref)
         assert err < 1e-5, f"{where}: {err:.2e}"
@@ -249,8 +258,8 @@ def test_tiled_mlps_on_cuda_match(monkeypatch, precision):
 def test_nvme_on_cuda_trains_like_ram(tmp_path):
     # a tolerance (the CPU tests check bitwise equality; test_cuda_runs_are_bitwise_reproducible, run-to-run noise)
     module = CausalLM(tiny_config("llama", tied=True))
-    ram, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu")
-    disk, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path)),
+    ram, _ = fit(module, streamed(num_slots=2), accelerator="gpu")
+    disk, _ = fit(module, streamed(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path)),
                   accelerator="gpu")  # fmt: skip
     err, where = max_rel_error(disk, ram)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -259,16 +268,16 @@ def test_nvme_on_cuda_trains_like_ram(tmp_path):
 def test_cuda_runs_are_bitwise_reproducible():
     # as plain training is on CUDA; summing embedding-row gradients with index_add_ (atomics) made two runs differ
     module = CausalLM(tiny_config("llama", tied=True))
-    first, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu")
-    second, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu")
+    first, _ = fit(module, streamed(num_slots=2), accelerator="gpu")
+    second, _ = fit(module, streamed(num_slots=2), accelerator="gpu")
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_nvme_masters_on_cuda_train_like_ram(tmp_path):
     module = CausalLM(tiny_config("llama"))
     kwargs = dict(accelerator="gpu", precision="bf16-mixed")
-    ram, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
-    disk, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path),
+    ram, _ = fit(module, streamed(num_slots=2), **kwargs)
+    disk, _ = fit(module, streamed(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path),
                                               nvme_masters=True), **kwargs)  # fmt: skip
     err, where = max_rel_error(disk, ram)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -286,6 +295,6 @@ def test_moe_aux_loss_and_a_peft_embedding_on_cuda_match():
     module.model = get_peft_model(module.model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]))
     kwargs = dict(accelerator="gpu", gradient_clip_val=0.5, accumulate_grad_batches=2, steps=4)
     ref, _ = fit(module, "auto", **kwargs)
-    ours, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    ours, _ = fit(module, streamed(num_slots=2), **kwargs)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"

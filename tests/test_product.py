@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import global_error, max_rel_error
+from helpers import global_error, max_rel_error, streamed
 from lightning_slide import SlideFormerStrategy
 from lightning_slide.cli import main as slide
 from lightning_slide.data import IGNORE, TextDataModule, builtin_tokenizer, pack, tokenize
@@ -173,7 +173,7 @@ def test_module_on_cuda_bf16_uses_the_kernels_and_reports_mfu(tmp_path):
 
     ref32, _, _ = train(model=str(tmp_path), accelerator="gpu", steps=6)
     plain16, _, _ = train(model=str(tmp_path), accelerator="gpu", precision="bf16-mixed", steps=6)
-    ours16, _, metrics = train(SlideFormerStrategy(num_slots=2), model=str(tmp_path), accelerator="gpu",
+    ours16, _, metrics = train(streamed(num_slots=2), model=str(tmp_path), accelerator="gpu",
                                precision="bf16-mixed", steps=6, callbacks=[Look(), SlideMonitor()])  # fmt: skip
     assert seen == {"slide"}
     assert 0 < metrics["perf/mfu"] < 1

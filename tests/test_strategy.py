@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_slide
-from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
+from helpers import CausalLM, StackLM, fit, global_error, max_rel_error, streamed, tiny_config, token_data
 from lightning_slide import SlideFormerPrecision, SlideFormerStrategy
 from lightning_slide.engine import EngineConfig
 
@@ -249,7 +249,7 @@ def test_auto_attention_on_cuda_bf16_is_slide_and_within_twice_plain_bf16_error(
     ref32, _ = fit(module, "auto", accelerator="gpu", steps=3)
     plain16, _ = fit(module, "auto", accelerator="gpu", precision="bf16-mixed", steps=3)
     seen, look = _attention_seen()
-    ours16, _ = fit(module, SlideFormerStrategy(num_slots=2), accelerator="gpu", precision="bf16-mixed", steps=3,
+    ours16, _ = fit(module, streamed(num_slots=2), accelerator="gpu", precision="bf16-mixed", steps=3,
                     callbacks=[look])  # fmt: skip
     assert seen == {"slide"}
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
@@ -343,7 +343,7 @@ def test_auto_window_is_three_slots_unless_they_crowd_the_gpu(monkeypatch, budge
         def on_train_batch_end(self, trainer, *args):
             seen.append(trainer.strategy.engine.num_slots)
 
-    fit(StackLM(), SlideFormerStrategy(), steps=1, callbacks=[Look()])
+    fit(StackLM(), streamed(), steps=1, callbacks=[Look()])
     assert seen == [slots]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.linear_cross_entropy import tuning
 from .nvme import page_aligned, row_numel, rows_per_block
 
 GIB = 2**30
@@ -165,3 +166,61 @@ def window_slots(three_slots_bytes: int, budget: int | None) -> int:
     """The window for ``num_slots="auto"``: 3 slots (one computing, the next two arriving) when a window of 3 (head
     and staging included) takes at most a quarter of the GPU ``budget``, else 2; 3 off CUDA."""
     return 3 if budget is None or 4 * three_slots_bytes <= budget else 2
+
+
+# Bytes a block saves per token for plain training's backward: each Linear's input and output in the compute dtype,
+# 1.5 times over (activation functions, attention and casts save their own), and 8 bytes per element of the block's
+# vectors (the fp32 residual stream around each norm). Fitted on the H200 (benchmarks/NOTES.md, "The resident tier").
+_LINEAR_SAVES = 1.5
+_VECTOR_SAVES = 8
+# Bytes per token and vocabulary entry of a head that builds logits: bf16 logits, their fp32 copy and its gradient.
+_LOGIT_BYTES = 12
+# What kernels take beside the tensors counted: Triton's autotuning (a 256 MB buffer that clears the L2 cache) and
+# cuBLAS workspaces (measured on the H200: benchmarks/NOTES.md, "The resident tier").
+DEVICE_RESERVE = 384 << 20
+
+
+def plain_activation_bytes(blocks: list[nn.Module], itemsize: int, logits: int = 0) -> float:
+    """Device bytes per token that plain training keeps between forward and backward through ``blocks``, with
+    activations of ``itemsize`` bytes and a head building ``logits`` entries per token (0: a loss without logits)."""
+    per_token = 0.0
+    for block in blocks:
+        linear = sum(m.in_features + m.out_features for m in block.modules() if isinstance(m, nn.Linear))
+        vectors = sum(p.numel() for p in block.parameters() if p.dim() == 1)
+        per_token += _LINEAR_SAVES * itemsize * linear + _VECTOR_SAVES * vectors
+    return per_token + _LOGIT_BYTES * logits
+
+
+def fused_loss_bytes(tokens: int, vocab: int, hidden: int) -> int:
+    """Device bytes of the logits-free loss (``kernels/linear_cross_entropy.py``) at its largest: a bf16 chunk of
+    logits, and with one pass the fp32 gradients of the head and the hidden states."""
+    walk = tuning.value
+    one_pass = tokens >= walk.one_pass_min_tokens
+    chunk = max(walk.one_pass_chunk_elements if one_pass else walk.chunk_elements, tokens * walk.min_chunk_cols)
+    return 2 * min(tokens * vocab, chunk) + (4 * (vocab + tokens) * hidden if one_pass else 0)
+
+
+def plain_training_bytes(
+    params: list[nn.Parameter],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    copies_itemsize: int,
+    stored: dict[nn.Parameter, int] | None = None,
+) -> int:
+    """Device bytes of plain training with every parameter on the device (activations apart): each parameter as
+    stored, the compute-dtype copies autocast makes of the matrices (``copies_itemsize``; 0 under fp32), and for
+    each trainable one its gradient, the optimizer's state and as much again for the step's temporaries (torch's
+    foreach implementations), and the kernels' ``DEVICE_RESERVE``."""
+    sizes = stored or {}
+    weights = sum(p.numel() * sizes.get(p, p.element_size()) for p in params)
+    copies = sum(p.numel() * copies_itemsize for p in params if p.dim() >= 2) + DEVICE_RESERVE
+    if optimizer is None:
+        return weights + copies
+    trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    grads = sum(p.numel() * sizes.get(p, p.element_size()) for p in trainable)
+    return weights + copies + grads * (2 + _state_per_fp32(optimizer))
+
+
+def usable_device_bytes(budget: int) -> int:
+    """What a device ``budget`` holds after the allocator's rounding and fragmentation."""
+    return int(budget * _DEVICE_MARGIN)

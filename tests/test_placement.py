@@ -1,0 +1,156 @@
+"""The placement plan: the resident tier (the whole model on the device, plain training) against plain Lightning,
+what streams instead, resumes across a change of placement, and batches the plan does not fit."""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from helpers import CUDA, CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
+from lightning_slide import SlideFormerStrategy
+
+FP32_TOL = 1e-5
+
+
+class _Placed(L.Callback):
+    """Records, at each training batch, whether the engine streams and where the first parameter is."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def on_train_batch_start(self, trainer, module, *args):
+        self.seen.add((trainer.strategy.engine is not None, next(module.parameters()).device.type))
+
+
+@pytest.mark.parametrize(
+    ("module", "kwargs"),
+    [
+        (CausalLM(tiny_config("llama", tied=True)), dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+        (CausalLM(tiny_config("qwen3")), dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")),
+        (StackLM(), dict(accumulate_grad_batches=2)),
+    ],
+    ids=["llama-tied-accumulate-clip", "qwen3-clip-value", "plain-module"],
+)
+def test_the_resident_tier_matches_plain_lightning(module, kwargs):
+    # two param groups, a scheduler (CausalLM), clipping, accumulation, tied weights: everything on the device
+    ref, _ = fit(module, "auto", **kwargs)
+    strategy, placed = SlideFormerStrategy(device_memory_gib=1), _Placed()
+    ours, trained = fit(module, strategy, callbacks=[placed], **kwargs)
+    assert strategy.tier.resident
+    assert placed.seen == {(False, "cpu")}
+    err, where = max_rel_error(ours, ref)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+    moved, _ = max_rel_error(ref, {k: v.float() for k, v in module.state_dict().items()})
+    assert moved > 1e-2
+    if isinstance(module, CausalLM) and module.model.config.tie_word_embeddings:
+        assert trained.model.lm_head.weight is trained.model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reason"),
+    [
+        (dict(), "no device budget"),
+        (dict(device_memory_gib=1e-4), "plain training would need"),
+        (dict(device_memory_gib=1, placement="stream"), "placement='stream'"),
+    ],
+)
+def test_what_does_not_fit_or_has_no_budget_streams(strategy, reason):
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, "auto", steps=3)
+    strategy, placed = SlideFormerStrategy(num_slots=2, **strategy), _Placed()
+    ours, _ = fit(module, strategy, steps=3, callbacks=[placed])
+    assert not strategy.tier.resident
+    assert reason in strategy.tier.reason
+    assert placed.seen == {(True, "cpu")}
+    err, where = max_rel_error(ours, ref)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+
+@pytest.mark.parametrize("first", ["stream", "auto"])
+def test_a_resume_that_changes_the_placement_continues_exactly(tmp_path, first):
+    # the checkpoint of a streamed run resumes on the device, and the other way round: one optimizer state format
+    def strategy(placement):
+        return SlideFormerStrategy(num_slots=2, placement=placement, device_memory_gib=1)
+
+    module = CausalLM(tiny_config("llama", tied=True))
+    kwargs = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
+    straight, _ = fit(module, "auto", steps=4, **kwargs)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    fit(module, strategy(first), steps=2, callbacks=[ckpt], enable_checkpointing=True, **kwargs)
+    then = "auto" if first == "stream" else "stream"
+    placed = _Placed()
+    resumed, _ = fit(module, strategy(then), steps=4, ckpt_path=str(next(tmp_path.glob("*.ckpt"))),
+                     callbacks=[placed], **kwargs)  # fmt: skip
+    assert placed.seen == {(then == "stream", "cpu")}
+    err, where = max_rel_error(resumed, straight)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+
+def test_the_first_batch_fetched_ahead_leaves_the_shuffled_order_alone():
+    # no tokens_per_batch: the plan reads the first batch of a shuffling loader; the run must draw the same batches
+    module = StackLM()
+
+    def run(strategy):
+        trained = StackLM()
+        trained.load_state_dict(module.state_dict())
+        L.seed_everything(3, verbose=False)
+        options = dict(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=4, **options)
+        trainer.fit(trained, DataLoader(TensorDataset(token_data(32)), batch_size=4, shuffle=True))
+        return trained.state_dict()
+
+    strategy = SlideFormerStrategy(device_memory_gib=1)
+    ours, ref = run(strategy), run("auto")
+    assert strategy.tier.resident
+    assert strategy.tier.tokens == 4 * 12  # a batch of 4 rows of 12 tokens
+    err, where = max_rel_error(ours, ref)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+
+def test_a_batch_with_more_tokens_than_the_plan_fits_is_refused_before_it_runs():
+    module = StackLM()
+    probe = SlideFormerStrategy(device_memory_gib=1, tokens_per_batch=48)
+    fit(module, probe, steps=1)
+    # need(t) = fixed + t * per_token; the 1 GiB budget fits (0.95 GiB - fixed) / per_token tokens
+    per_token = (0.95 * 2**30 - probe.tier.need) / (probe.tier.max_tokens - 48)
+    fixed = probe.tier.need - 48 * per_token
+    strategy = SlideFormerStrategy(device_memory_gib=(fixed + 60 * per_token) / 0.95 / 2**30, tokens_per_batch=48)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"This batch has 96 tokens, but the placement plan fits at most 6\d per"):
+        fit(module, strategy, steps=2, batch_size=8)
+    assert strategy.tier.resident
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+def test_placement_arguments_are_checked():
+    for kwargs, match in [
+        (dict(placement="gpu"), "placement must be one of"),
+        (dict(device_memory_gib=0), "device_memory_gib must be a number > 0"),
+        (dict(tokens_per_batch=0), "tokens_per_batch must be a positive int"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SlideFormerStrategy(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("install_loss", [True, False])
+def test_on_cuda_the_resident_plan_bounds_the_peak_and_bf16_is_within_twice_plain_error(install_loss):
+    # the installed loss builds no logits; without it Hugging Face's loss builds them (both counted by the plan)
+    config = tiny_config("llama", hidden_size=1024, intermediate_size=2816, num_attention_heads=8, vocab_size=32000,
+                         max_position_embeddings=512)  # fmt: skip
+    module = CausalLM(config)
+    data = torch.randint(0, 32000, (32, 512), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(accelerator="gpu", data=data, steps=4, batch_size=8)
+    ref32, _ = fit(module, "auto", **kwargs)
+    plain16, _ = fit(module, "auto", precision="bf16-mixed", **kwargs)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    strategy, placed = SlideFormerStrategy(install_loss=install_loss), _Placed()
+    ours16, _ = fit(module, strategy, precision="bf16-mixed", callbacks=[placed], **kwargs)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert strategy.tier.resident
+    assert placed.seen == {(False, "cuda")}
+    planned = strategy.tier.need
+    assert planned / 2 <= peak <= planned, f"measured {peak / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB"
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
