@@ -4,6 +4,7 @@ SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by 
 
     slide fit --config recipes/quickstart.yaml --trainer.max_steps 20
     slide export --config recipes/quickstart.yaml --ckpt_path <checkpoint> --out <directory>
+    slide plan --config recipes/llama3_1_8b_full.yaml --gpu-memory 24 --host-memory 128   # plan_command.py
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class SlideCLI(LightningCLI):
             check_vocab(len(self.datamodule.load_tokenizer()), vocab)
 
 
+def trainer_defaults() -> dict:
+    """The command's Trainer defaults: the strategy, and the monitor on the progress bar."""
+    return {"strategy": "slideformer", "callbacks": [SlideMonitor()]}
+
+
 def default_loggers(root: str) -> list:
     """Lightning's logger default picks one; the command logs to CSV, and to TensorBoard too when installed (one
     ``lightning_logs/version_N`` directory for both)."""
@@ -52,10 +58,14 @@ def main(args: list[str] | None = None) -> None:
 
         export(argv[1:])
         return
+    if argv[:1] == ["plan"]:
+        from .plan_command import plan
+
+        sys.exit(plan(argv[1:]))
     SlideCLI(
         CausalLMModule,
         TextDataModule,
-        trainer_defaults={"strategy": "slideformer", "callbacks": [SlideMonitor()]},
+        trainer_defaults=trainer_defaults(),
         save_config_kwargs={"overwrite": True},
         args=args,
     )

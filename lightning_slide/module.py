@@ -119,12 +119,7 @@ class CausalLMModule(L.LightningModule):
             return
         from transformers import AutoModelForCausalLM
 
-        bf16_base = (
-            self._trainer is not None
-            and self.trainer.precision == "bf16-mixed"
-            and (self.lora is not None or getattr(self.trainer.strategy, "nvme_masters", False))
-            and _stored_dtype(self._architecture()) in (torch.bfloat16, torch.float16)  # bf16 loses nothing
-        )
+        bf16_base = self._bf16_base()
         # before any weight is made or loaded
         what = f"Loading {self.source}" if self.source else "Building config="
         _check_ram(self._meta_model(), what, bf16_base, head_fp32=self.lora is None)
@@ -133,10 +128,7 @@ class CausalLMModule(L.LightningModule):
             model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(self.source), dtype=dtype)
         else:
             model = AutoModelForCausalLM.from_config(self._architecture(), dtype=dtype)
-        if self.lora is not None:
-            model = _with_lora(model, self.lora)
-        if bf16_base:
-            _fp32_except_block_matrices(model, trainable=self.lora is None)
+        model = self._adapted(model, bf16_base)
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
         if tokenizer is not None:
             check_vocab(len(tokenizer), model.get_input_embeddings().num_embeddings)
@@ -144,6 +136,39 @@ class CausalLMModule(L.LightningModule):
         # dropout, the model's and LoRA's, would be off. The validation loop switches to eval and back.
         self.model = model.train(self.training)
         self._derived.pop("meta", None)
+
+    def configure_meta_model(self) -> None:
+        """The model :meth:`configure_model` would make, on the meta device: its shapes, dtypes and adapters, with no
+        weights read and no memory taken (``slide plan``)."""
+        from transformers import AutoModelForCausalLM
+
+        config = self._architecture()
+        if config is None:
+            raise FileNotFoundError(
+                f"The config of model={self.source!r} is not reachable from here: give --model.model a local directory"
+                " holding its config.json."
+            )
+        bf16_base = self._bf16_base()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if bf16_base else torch.float32)
+        self.model = self._adapted(model, bf16_base).train(self.training)
+
+    def _bf16_base(self) -> bool:
+        # the weights load in bf16 (module docstring of configure_model)
+        return (
+            self._trainer is not None
+            and self.trainer.precision == "bf16-mixed"
+            and (self.lora is not None or getattr(self.trainer.strategy, "nvme_masters", False))
+            and _stored_dtype(self._architecture()) in (torch.bfloat16, torch.float16)  # bf16 loses nothing
+        )
+
+    def _adapted(self, model: nn.Module, bf16_base: bool) -> nn.Module:
+        # LoRA's adapters, and fp32 for what is not a frozen (or disk-mastered) block matrix
+        if self.lora is not None:
+            model = _with_lora(model, self.lora)
+        if bf16_base:
+            _fp32_except_block_matrices(model, trainable=self.lora is None)
+        return model
 
     def vocab_size(self) -> int | None:
         """The model's vocabulary from its config (no weights loaded), or ``None`` if the config is unreachable."""
@@ -230,17 +255,21 @@ class CausalLMModule(L.LightningModule):
     # ---- optimization --------------------------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": self.weight_decay},
-            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas)
+        optimizer = self.make_optimizer()
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, _warmup_cosine(self.warmup_steps, total, self.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def make_optimizer(self) -> torch.optim.AdamW:
+        """AdamW over the trained parameters: weight decay on the matrices, none on the vectors."""
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas)
 
 
 def _warmup_cosine(warmup: int, total: int, floor: float):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -19,15 +19,24 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .engine import EngineConfig, SlideEngine
+from .engine.activations import plan_offload
 from .engine.planner import (
+    DEVICE_RESERVE,
     GIB,
+    WORKING_INPUTS,
     HostPlan,
+    check_host,
+    check_window,
     fused_loss_bytes,
     plain_activation_bytes,
     plain_training_bytes,
     usable_device_bytes,
+    window_slots,
 )
+from .engine.tiling import gated_mlp
+from .engine.units import in_forward_order
 from .models import Layout
+from .rates import Rates, Work, predict_step_s
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +48,9 @@ PLACEMENTS = ("auto", "stream")
 class EngineOptions:
     """The strategy's choices that the engine carries out (``SlideFormerStrategy``'s arguments, resolved)."""
 
-    num_slots: int
+    num_slots: int | None  # None: "auto"
     update_schedule: Literal["auto", "backward", "forward", "norm-first"]
+    placement: Literal["auto", "stream"]
     on_nonfinite: Literal["raise", "skip"]
     cpu_threads: int | None
     offload_activations: bool | Literal["auto"]
@@ -83,12 +93,14 @@ def choose_engine(
     options: EngineOptions,
     stored: dict[nn.Parameter, int],
     available: int,
+    activations: int = 0,
 ) -> tuple[SlideEngine, HostPlan]:
     """The engine for this fit and its host plan: where the plan does not fit the ``available`` RAM, each "auto"
     takes its cheaper choice in turn (bf16 retained gradients, then "norm-first", then the optimizer state on NVMe).
 
     Args:
         stored: the element sizes parameters will be stored with on the host, where they differ from now.
+        activations: host bytes of the block inputs that will be offloaded.
     """
     config = options.config
 
@@ -97,18 +109,18 @@ def choose_engine(
             module, layout.blocks, device, compute_dtype=dtype, embedding=layout.embedding, head=layout.head,
             whole=layout.whole, optimizer=optimizer, schedule=schedule,
             retain_grads=trainer.accumulate_grad_batches > 1,
-            num_slots=options.num_slots, on_nonfinite=options.on_nonfinite, cpu_threads=options.cpu_threads,
+            num_slots=options.num_slots or 3, on_nonfinite=options.on_nonfinite, cpu_threads=options.cpu_threads,
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
         )  # fmt: skip
 
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
     engine = make(nvme)
-    plan = engine.host_plan(stored)
+    plan = engine.host_plan(stored, activations)
     if plan.added > available and config.compact_retained_grads == "auto":
         candidate = make(engine.nvme_path, compact=True)
         if candidate.compact_grads():
-            engine, plan = candidate, candidate.host_plan(stored)
+            engine, plan = candidate, candidate.host_plan(stored, activations)
             log.info(
                 "SlideFormer keeps the step's bf16 gradients in bf16 on the host (a slower CPU update): in fp32"
                 " they would not fit the %.2f GiB of RAM available.", available / 2**30,
@@ -126,7 +138,7 @@ def choose_engine(
         )  # fmt: skip
         schedule = "norm-first"
         engine = make(nvme)
-        plan = engine.host_plan(stored)
+        plan = engine.host_plan(stored, activations)
     if (
         options.optimizer_offload == "auto"
         and options.nvme_path is not None
@@ -139,8 +151,183 @@ def choose_engine(
             " the %.2f GiB available.", options.nvme_path, plan.added / 2**30, available / 2**30,
         )  # fmt: skip
         engine = make(options.nvme_path)
-        plan = engine.host_plan(stored)
+        plan = engine.host_plan(stored, activations)
     return engine, plan
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a plan may use: this machine's figures (the strategy) or given ones (``slide plan``)."""
+
+    device: int | None  # device bytes the run may use; None: the CPU, without a budget
+    host: int  # RAM the run may still take
+    memlock: int | None = None  # ulimit -l; None: unlimited
+    disk: int | None = None  # free at nvme_path; None: no NVMe
+
+
+@dataclass(frozen=True)
+class UnitPlacement:
+    name: str
+    params: int
+    weights: Literal["gpu", "stream"]
+    optimizer: Literal["gpu", "cpu", "nvme", "none"]  # "none": nothing of it is trained
+
+
+@dataclass
+class Plan:
+    """Where every unit of a run lives, its figures, and why it does not fit (``error``, raised by the strategy)."""
+
+    tier: Tier
+    schedule: str | None  # the update schedule of a streamed run
+    units: list[UnitPlacement]
+    device_bytes: int  # the device's peak, the allocator's reserve included
+    host: HostPlan | None  # a streamed run's host memory
+    offloaded_blocks: int = 0
+    predicted_step_s: float | None = None
+    error: Exception | None = None
+    engine: SlideEngine | None = None  # a streamed run's engine, not yet set up
+
+    @property
+    def fits(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        host = self.host.masters + self.host.added if self.host is not None else 0
+        return {
+            "fits": self.fits, "reason": str(self.error) if self.error else self.tier.reason,
+            "placement": "resident" if self.tier.resident else "stream", "schedule": self.schedule,
+            "tokens_per_batch": self.tier.tokens, "gpu_bytes": self.device_bytes, "host_bytes": host,
+            "disk_bytes": self.host.disk if self.host is not None else 0, "offloaded_blocks": self.offloaded_blocks,
+            "predicted_step_s": self.predicted_step_s, "units": [vars(u) for u in self.units],
+        }  # fmt: skip
+
+    def table(self) -> str:
+        """The plan as text: a line of figures, then one row per unit (consecutive alike units as one row)."""
+        data = self.to_json()
+        step = f"{self.predicted_step_s:.3g} s" if self.predicted_step_s is not None else "unknown"
+        lines = [
+            f"placement: {data['placement']} ({self.tier.reason}); schedule: {self.schedule or 'plain'}; tokens per"
+            f" batch: {self.tier.tokens}; GPU {self.device_bytes / GIB:.2f} GiB, host {data['host_bytes'] / GIB:.2f}"
+            f" GiB, disk {data['disk_bytes'] / GIB:.2f} GiB; offloaded blocks: {self.offloaded_blocks};"
+            f" predicted step: {step}",
+            f"{'unit':<40} {'params':>14} {'weights':>8} {'optimizer':>9}",
+        ]
+        rows: list[list] = []
+        for u in self.units:
+            if rows and rows[-1][1:] == [u.params, u.weights, u.optimizer]:
+                rows[-1][0] = rows[-1][0].split(" .. ")[0] + " .. " + u.name
+            else:
+                rows.append([u.name, u.params, u.weights, u.optimizer])
+        lines += [f"{name:<40} {params:>14,} {weights:>8} {optimizer:>9}" for name, params, weights, optimizer in rows]
+        if self.error is not None:
+            lines.append(f"does not fit: {self.error}")
+        return "\n".join(lines)
+
+
+def make_plan(
+    module: LightningModule,
+    layout: Layout,
+    device: torch.device,
+    dtype: torch.dtype,
+    optimizer: Optimizer | None,
+    schedule: str,
+    trainer: Any,
+    options: EngineOptions,
+    stored: dict[nn.Parameter, int],
+    tokens: int | None,
+    machine: Machine,
+    logits_built: bool,
+    rates: Rates = Rates(),
+) -> Plan:
+    """The run's plan: the resident tier when the whole run fits the device, else the engine that streams it, with
+    its window, the block inputs it will offload (predicted from the tokens per batch, as the engine decides them at
+    the first step) and its host memory. Nothing is allocated."""
+    tier = choose_tier(options.placement, layout, module, optimizer, dtype, stored, tokens, machine.device,
+                       logits_built)  # fmt: skip
+    work = _work(module, layout, optimizer, tokens, trainer.accumulate_grad_batches)
+    if tier.resident:
+        units = [UnitPlacement(n, p, "gpu", "gpu" if t else "none") for n, p, t in _layout_units(module, layout)]
+        step = predict_step_s(work, None, rates) if work is not None else None
+        return Plan(tier, None, units, tier.need, None, predicted_step_s=step)
+
+    def engine_and_host(activations: int) -> tuple[SlideEngine, HostPlan]:
+        engine, host = choose_engine(module, layout, device, dtype, optimizer, schedule, trainer, options, stored,
+                                     machine.host, activations)  # fmt: skip
+        if options.num_slots is None:
+            engine.num_slots = window_slots(engine.device_bytes(3), machine.device)
+        return engine, host
+
+    engine, host = engine_and_host(0)
+    saved = tokens * layout.embedding[1].embedding_dim * 4 if tokens and layout.embedding else 0  # fp32 residual
+    reserved = options.config.max_queued_grad_bytes
+    offloaded = 0
+    cuda = machine.device is not None and device.type == "cuda"  # "auto" offloads nothing on the CPU
+    if saved and (options.offload_activations is True or (options.offload_activations == "auto" and cuda)):
+        room = machine.device - engine.device_bytes() if machine.device is not None else None
+        asked = len(engine.blocks) if options.offload_activations is True else None
+        can_tile = any(gated_mlp(u.module) is not None for u in engine.blocks)
+        offloaded, tiling = plan_offload(saved, blocks=len(engine.blocks), offloading=asked, budget=room,
+                                         reserved=reserved, can_tile=can_tile)  # fmt: skip
+        if offloaded:
+            engine, host = engine_and_host(saved * offloaded)
+        engine.planned = (saved, offloaded, tiling)
+    device_bytes = engine.device_bytes() + reserved + DEVICE_RESERVE
+    device_bytes += saved * (len(engine.blocks) - offloaded + WORKING_INPUTS)
+    if layout.causal_lm is not None and not logits_built and tokens:
+        head = layout.head[1]
+        device_bytes += fused_loss_bytes(tokens, head.out_features, head.in_features)
+    units = [
+        UnitPlacement(u.name, sum(p.numel() for p, o in zip(u.params, u.owner) if o is u), "stream",
+                      ("nvme" if engine.nvme_path else "cpu") if any(u.trainable) else "none")
+        for u in in_forward_order(engine.embedding, engine.blocks, engine.head, engine.leftovers)
+    ]  # fmt: skip
+    plan = Plan(tier, engine.schedule, units, device_bytes, host, offloaded, engine=engine)
+    if work is not None:
+        work = replace(work, disk_state_bytes=2 * host.disk)  # read and written back
+        plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
+    plan.error = _shortfall(engine, host, machine)
+    return plan
+
+
+def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Exception | None:
+    # the first thing that does not fit, as the error the strategy raises
+    try:
+        check_window(engine.device_bytes(), machine.device, engine.num_slots, engine.device)
+        check_host(host, machine.host, machine.memlock, machine.disk)
+    except (MemoryError, OSError, torch.OutOfMemoryError) as err:
+        return err
+    return None
+
+
+def _layout_units(module: nn.Module, layout: Layout) -> list[tuple[str, int, bool]]:
+    # (name, parameters, trained) of the embedding, each block, the head and the rest
+    named = [*([layout.embedding] if layout.embedding else []), *layout.blocks, *([layout.head] if layout.head else [])]
+    seen: set[nn.Parameter] = set()
+    rows = []
+    for name, part in named:
+        params = [p for p in part.parameters() if p not in seen]
+        seen.update(params)
+        rows.append((name, sum(p.numel() for p in params), any(p.requires_grad for p in params)))
+    rest = [p for p in module.parameters() if p not in seen]
+    if rest:
+        rows.append(("(other parameters)", sum(p.numel() for p in rest), any(p.requires_grad for p in rest)))
+    return rows
+
+
+def _work(
+    module: nn.Module, layout: Layout, optimizer: Optimizer | None, tokens: int | None, micro: int
+) -> Work | None:
+    # what a step computes and moves, for the predicted step time (``rates.py``)
+    if tokens is None or optimizer is None:
+        return None
+    inside = {m for _, b in layout.blocks for m in b.modules()}
+    linear = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    block = sum(m.weight.numel() for m in linear if m in inside)
+    other = sum(m.weight.numel() for m in linear if m not in inside)
+    embedding = layout.embedding[1].weight.numel() if layout.embedding else 0
+    trained = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    streamed = sum(p.numel() for p in module.parameters()) - embedding
+    return Work(tokens, micro, block, other, streamed, trained, 0)
 
 
 def norm_first_refusal(trainer: Any, module: LightningModule) -> str | None:

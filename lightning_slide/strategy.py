@@ -25,23 +25,24 @@ from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
 from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
-from .engine.planner import check_host, window_slots
 from .loss import causal_lm_loss
-from .models import disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
+from .models import Layout, disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .placement import (
     PLACEMENTS,
     SCHEDULES,
     EngineOptions,
+    Machine,
+    Plan,
     Tier,
     check_batch_tokens,
-    choose_engine,
-    choose_tier,
     frozen_to_store,
     half_trained,
+    make_plan,
     resolve_schedule,
     tokens_ahead,
 )
 from .precision import SlideFormerPrecision
+from .rates import Rates
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.placement = placement
         self.device_memory_gib = device_memory_gib
         self.tokens_per_batch = tokens_per_batch
-        self.tier: Tier | None = None  # the plan's choice, at setup
+        self.plan: Plan | None = None  # made at setup
+        self.tier: Tier | None = None  # the plan's choice of tier
         self.engine_config = engine or EngineConfig()
         self.engine: SlideEngine | None = None
         self._restores: list = []  # undo what setup changed on the user's model, at teardown
@@ -265,13 +267,13 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             # NOTE: Lightning itself refuses several optimizers under automatic optimization.
             self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
             optimizer = self.optimizers[0]
-        schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
         layout = find_layout(module, self.blocks)
         self._restores.append(disable_hf_checkpointing(module))
         if fitting and layout.pretrained is not None:
             self._restores.append(disable_hf_cache(layout.pretrained))
         cuda = self.root_device.type == "cuda"
-        half = self.precision_plugin.compute_dtype != torch.float32  # the kernel's Triton path is bf16/fp16
+        dtype = self.precision_plugin.compute_dtype
+        half = dtype != torch.float32  # the kernel's Triton path is bf16/fp16
         if layout.pretrained is not None and (
             self.attention in ("slide", "slide_kernel") or (self.attention == "auto" and cuda and half)
         ):
@@ -280,40 +282,27 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             restore = use_slide_attention(layout.pretrained, required=required, name=name)
             if restore is not None:
                 self._restores.append(restore)
-
-        dtype = self.precision_plugin.compute_dtype
-        frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
-        half = half_trained(optimizer) if optimizer is not None else []
-        widen = half if self.half_weights == "fp32_masters" else []
-        stored = {**dict.fromkeys(frozen, dtype.itemsize), **dict.fromkeys(widen, 4)}
         budget = device_budget(self.root_device)
         if self.device_memory_gib is not None:
             budget = min(budget or 1 << 62, int(self.device_memory_gib * 2**30))
-        placement = "stream" if self.optimizer_offload == "nvme" else self.placement
-        tokens = tokens_ahead(trainer, self.tokens_per_batch) if placement == "auto" and budget else None
-        loss = self.install_loss and layout.causal_lm is not None
-        self.tier = choose_tier(placement, layout, module, optimizer, dtype, stored, tokens, budget, not loss)
+        tokens = tokens_ahead(trainer, self.tokens_per_batch) if budget else None
         # NOTE: the GPU's memory, and the plan with it, depend less on how the allocator splits its segments.
         if cuda and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             settings = getattr(torch._C, "_accelerator_setAllocatorSettings", torch.cuda.memory._set_allocator_settings)
             settings("expandable_segments:True")
         # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
         self.precision_plugin.device = self.root_device.type
+        disk_free = shutil.disk_usage(self.nvme_path).free if self.nvme_path else None
+        machine = Machine(budget, available_host_bytes(), locked_memory_limit() if cuda else None, disk_free)
+        self.plan = self.plan_run(trainer, module, layout, optimizer, self.root_device, tokens, machine)
+        frozen, half, widen, _ = self._storage(layout, optimizer)
+        self.tier = self.plan.tier
+        log.info("SlideFormer's placement plan:\n%s", self.plan.table())
         if self.tier.resident:
             self._convert(frozen, widen, half, dtype)
             self._setup_resident(module, layout, dtype, fitting)
             return
-
-        options = EngineOptions(
-            num_slots=3 if self.num_slots == "auto" else self.num_slots, update_schedule=self.update_schedule,
-            on_nonfinite=self.on_nonfinite,
-            cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if cuda else None),
-            offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
-            nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
-        )  # fmt: skip
-        available = available_host_bytes()
-        self.engine, plan = choose_engine(module, layout, self.root_device, dtype, optimizer, schedule, trainer,
-                                          options, stored, available)  # fmt: skip
+        self.engine = self.plan.engine
         if self.engine.nvme_path is not None and not isinstance(self.checkpoint_io, SlideCheckpointIO):
             raise ValueError(
                 f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
@@ -325,12 +314,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
                 f"half_weights='keep' steps {len(half)} parameters in {half[0].dtype}, but the NVMe tier keeps fp32"
                 " optimizer state. Use half_weights='fp32_masters' (the default) or optimizer_offload='cpu'."
             )
-        if self.num_slots == "auto":
-            self.engine.num_slots = window_slots(self.engine.device_bytes(3), device_budget(self.root_device))
         self.precision_plugin.engine = self.engine
-        log.info("SlideFormer streams the model (%s); %s", self.tier.reason, plan.describe())
-        disk_free = shutil.disk_usage(self.engine.nvme_path).free if self.engine.nvme_path else None
-        check_host(plan, available, locked_memory_limit() if cuda else None, disk_free)
+        log.info("SlideFormer streams the model (%s); %s", self.tier.reason, self.plan.host.describe())
+        if self.plan.error is not None:
+            raise self.plan.error
         self._convert(frozen, widen, half, dtype)  # after every check, before pinning
         if cuda and dtype == torch.float32:
             log.info(
@@ -352,6 +339,44 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.model = module
         if fitting:
             self.setup_precision_plugin()
+
+    def plan_run(
+        self,
+        trainer: Any,
+        module: Any,
+        layout: Layout,
+        optimizer: Optimizer | None,
+        device: torch.device,
+        tokens: int | None,
+        machine: Machine,
+        rates: Rates = Rates(),
+    ) -> Plan:
+        """The placement plan of training ``module`` (its parts in ``layout``) under ``trainer`` on ``device`` with
+        ``tokens`` per micro-batch, within ``machine``'s figures; nothing is allocated (``slide plan`` calls it on a
+        model on the meta device)."""
+        schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
+        options = EngineOptions(
+            num_slots=None if self.num_slots == "auto" else self.num_slots, update_schedule=self.update_schedule,
+            placement="stream" if self.optimizer_offload == "nvme" else self.placement,
+            on_nonfinite=self.on_nonfinite,
+            cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if device.type == "cuda" else None),
+            offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
+            nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
+        )  # fmt: skip
+        stored = self._storage(layout, optimizer)[3]
+        loss = self.install_loss and layout.causal_lm is not None
+        dtype = self.precision_plugin.compute_dtype
+        return make_plan(module, layout, device, dtype, optimizer, schedule, trainer, options, stored, tokens, machine,
+                         not loss, rates)  # fmt: skip
+
+    def _storage(self, layout: Layout, optimizer: Optimizer | None) -> tuple[list, list, list, dict]:
+        # what changes dtype before training: frozen matrices to the compute dtype, trained half weights (all of
+        # them, and those widened to fp32 masters), and the element sizes the plan counts for them
+        dtype = self.precision_plugin.compute_dtype
+        frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
+        half = half_trained(optimizer) if optimizer is not None else []
+        widen = half if self.half_weights == "fp32_masters" else []
+        return frozen, half, widen, {**dict.fromkeys(frozen, dtype.itemsize), **dict.fromkeys(widen, 4)}
 
     def _convert(self, frozen: list[nn.Parameter], widen: list[nn.Parameter], half: list[nn.Parameter],
                  dtype: torch.dtype) -> None:  # fmt: skip

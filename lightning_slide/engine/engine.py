@@ -40,7 +40,7 @@ from .grads import GradSender
 from .guard import Guard
 from .nvme import MASTER, NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
-from .planner import HostPlan, plan_host
+from .planner import HostPlan, check_window, plan_host
 from .rows import Contribution
 from .state_io import StateIO
 from .step import Step
@@ -160,6 +160,7 @@ class SlideEngine:
         self.activations: ActivationStash | None = None
         self.offloading: int | None = 0  # the first blocks whose inputs go to the host; None: "auto", undecided
         self.tiling: bool | None = None  # whether the blocks' MLPs run on slices of the tokens; None: undecided
+        self.planned: tuple[int, int, bool] | None = None  # (saved bytes per block, offloading, tiling) from setup
         self._tiled: list[TiledMLP] = []
         self._unpatch: list = []  # what puts the modules' own forwards back
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
@@ -211,11 +212,12 @@ class SlideEngine:
         or one of ``num_slots``."""
         return window_bytes(self.blocks, self._own_buffer_units(), num_slots or self.num_slots, self.chunk_numel)
 
-    def host_plan(self, stored_sizes: dict[nn.Parameter, int] | None = None) -> HostPlan:
+    def host_plan(self, stored_sizes: dict[nn.Parameter, int] | None = None, activations: int = 0) -> HostPlan:
         """What :meth:`setup` and training will add to host memory (see ``planner.py``).
 
         Args:
             stored_sizes: element sizes parameters will be stored with, where they differ from now.
+            activations: host bytes of the block inputs that will be offloaded.
         """
         owned = [[p for p, o in zip(u.params, u.owner) if o is u] for u in self.units]
         landing = self._landing_buffers * self.chunk_numel * 4 if self.optimizer is not None else 0
@@ -231,6 +233,7 @@ class SlideEngine:
             state_block_numel=self.chunk_numel if self.nvme_path is not None else None,
             read_ahead_bytes=self.config.nvme_read_ahead_bytes,
             disk_masters=self.disk_masters,
+            activations=activations,
         )
 
     def compact_grads(self) -> set[nn.Parameter]:
@@ -282,15 +285,8 @@ class SlideEngine:
             loaded_masters: fp32 values (from a checkpoint) for masters that go to disk, where the parameter itself
                 holds fewer bits (a model loaded in bf16).
         """
-        budget = machine.device_budget(self.device)  # within the process's memory fraction
-        need = self.device_bytes()
-        if budget is not None and need > budget:
-            fix = "Lower SlideFormerStrategy(num_slots=...) (minimum 2) or free" if self.num_slots > 2 else "Free"
-            raise torch.OutOfMemoryError(
-                f"SlideFormer needs {need / 2**30:.2f} GiB on {self.device} for its window of {self.num_slots}"
-                f" block slots, the head and staging, but only {budget / 2**30:.2f} GiB is free. {fix} GPU memory"
-                " (other processes, or a lower torch.cuda.set_per_process_memory_fraction cap)."
-            )
+        # within the process's memory fraction
+        check_window(self.device_bytes(), machine.device_budget(self.device), self.num_slots, self.device)
         training = self.optimizer is not None
         landing = self._landing_buffers if training else 0
         self.transfer = Transfer(self.device, chunk_numel=self.chunk_numel, landing_buffers=landing,
@@ -470,13 +466,23 @@ class SlideEngine:
         return self.window.index[unit] < self.offloading
 
     def _plan_activations(self, inputs: tuple[Tensor, ...]) -> None:
-        # from the size of a block's saved inputs and the GPU memory left (activations.plan_offload)
+        # as planned at setup, if the inputs are no larger than planned; else from their size and the GPU memory left
+        # (activations.plan_offload)
         saved = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
-        rows = self.rows.device_bytes(self.step.plan) if self.rows is not None and self.step is not None else 0
-        self.offloading, self.tiling = plan_offload(
-            saved, blocks=len(self.blocks), offloading=self.offloading, budget=machine.device_budget(self.device),
-            reserved=self.config.max_queued_grad_bytes + rows, can_tile=bool(self._tiled),
-        )  # fmt: skip
+        if self.planned is not None:
+            planned, self.offloading, self.tiling = self.planned
+            if saved > planned:
+                raise ValueError(
+                    f"A block's inputs take {saved:,} bytes, but the placement plan counted {planned:,} (its tokens"
+                    " per batch). Give SlideFormerStrategy(tokens_per_batch=...)"
+                    " the largest batch's tokens, or lower the batch size or sequence length."
+                )
+        else:
+            rows = self.rows.device_bytes(self.step.plan) if self.rows is not None and self.step is not None else 0
+            self.offloading, self.tiling = plan_offload(
+                saved, blocks=len(self.blocks), offloading=self.offloading, budget=machine.device_budget(self.device),
+                reserved=self.config.max_queued_grad_bytes + rows, can_tile=bool(self._tiled),
+            )  # fmt: skip
         if self.offloading:
             self._offload_to_host(saved)
         for tiled in self._tiled:

@@ -34,15 +34,17 @@ class HostPlan:
     pinned: int  # of the above, what must be page-locked (CUDA only)
     disk: int = 0  # optimizer state (and masters) in files (the NVMe tier); optimizer_state is then what is read in
     # at once
+    activations: int = 0  # block inputs offloaded to the host between forward and backward
 
     @property
     def added(self) -> int:
         """What the run allocates beyond the model already in memory."""
-        return self.optimizer_state + self.retained_grads + self.landing + self.largest_unit
+        return self.optimizer_state + self.retained_grads + self.landing + self.largest_unit + self.activations
 
     def describe(self) -> str:
         rows = [("parameters (masters)", self.masters), ("optimizer state", self.optimizer_state),
                 ("retained gradients", self.retained_grads), ("gradient landing buffers", self.landing)]  # fmt: skip
+        rows += [("offloaded activations", self.activations)] if self.activations else []
         text = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in rows)
         disk = f"; {self.disk / GIB:.2f} GiB of optimizer state (and masters) on disk" if self.disk else ""
         return f"host memory plan: {text}; {self.pinned / GIB:.2f} GiB of it pinned{disk}"
@@ -60,6 +62,7 @@ def plan_host(
     state_block_numel: int | None = None,
     read_ahead_bytes: int = 0,
     disk_masters: list[nn.Parameter] = (),
+    activations: int = 0,
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
@@ -70,6 +73,7 @@ def plan_host(
         read_ahead_bytes: with the optimizer state on disk, what its store reads ahead at most.
         disk_masters: parameters whose fp32 masters are on disk too, in the state's blocks (their copy in RAM is
             given by ``frozen_bytes_per_element``).
+        activations: host bytes of block inputs offloaded between forward and backward.
     """
     sizes = frozen_bytes_per_element or {}
 
@@ -93,8 +97,8 @@ def plan_host(
         state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * read_ahead_bytes)
     retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable) if retain_grads else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
-    locked = masters + retained + landing_bytes if pinned else 0
-    return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk)
+    locked = masters + retained + landing_bytes + activations if pinned else 0
+    return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk, activations)
 
 
 def _state_per_fp32(optimizer: torch.optim.Optimizer) -> int:
@@ -160,6 +164,18 @@ def tiling_needed(saved_bytes: int, budget: int | None, reserved_bytes: int) -> 
     """Whether one block at work does not fit ``budget`` even with every saved input offloaded (its MLP must then
     run on slices of the tokens, ``tiling.py``)."""
     return budget is not None and _room_for_inputs(saved_bytes, budget, reserved_bytes) < 0
+
+
+def check_window(need: int, budget: int | None, num_slots: int, device: torch.device) -> None:
+    """Refuse a window (``need`` bytes of ``num_slots`` block slots, the head and staging) beyond the device
+    ``budget``."""
+    if budget is not None and need > budget:
+        fix = "Lower SlideFormerStrategy(num_slots=...) (minimum 2) or free" if num_slots > 2 else "Free"
+        raise torch.OutOfMemoryError(
+            f"SlideFormer needs {need / GIB:.2f} GiB on {device} for its window of {num_slots} block slots, the head"
+            f" and staging, but only {budget / GIB:.2f} GiB is free. {fix} GPU memory (other processes, or a lower"
+            " torch.cuda.set_per_process_memory_fraction cap)."
+        )
 
 
 def window_slots(three_slots_bytes: int, budget: int | None) -> int:

@@ -1,0 +1,70 @@
+"""A step time predicted from a small table of machine rates, for ``slide plan`` and the placement log.
+
+The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/NOTES.md, "Predicted step times"):
+
+- the GPU computes 2 flops per weight and token for each pass over a matrix (forward; recompute of a streamed block;
+  backward counts two, one for the input's gradient and one for the weight's), at ``gpu_tflops``; copies run beside
+  it at ``pcie_gbs`` each way (weights up in bf16 for the forward and again for the backward, fp32 gradients down);
+- the CPU optimizer steps ``cpu_params_per_s`` parameters a second, or the disk moves the NVMe tier's state (read and
+  written back) at ``disk_gbs``; each accumulated micro-batch adds its gradients into the host's at
+  ``cpu_accumulate_params_per_s``;
+- schedule "backward" updates while the backward runs, so the CPU starts when the forward ends; "forward" updates
+  after the backward, overlapping the next forward; "norm-first" runs a second backward that streams the updates;
+- the resident tier is plain training on the GPU: no recompute, no copies, the optimizer on the GPU (memory-bound,
+  ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Machine rates (defaults: one H200 on PCIe 5 with 16 cores, measured; ``slide plan`` flags override them).
+
+    Args:
+        gpu_tflops: bf16 matmul rate in training, attention included (sequences of 4096).
+        pcie_gbs: host-device copies, each way (GB/s).
+        cpu_params_per_s: torch's fused CPU AdamW, all cores but one.
+        cpu_accumulate_params_per_s: adding a micro-batch's fp32 gradients into the host's.
+        disk_gbs: the NVMe tier's reads and writes together (GB/s).
+    """
+
+    gpu_tflops: float = 470.0
+    pcie_gbs: float = 50.0
+    cpu_params_per_s: float = 3.5e9
+    cpu_accumulate_params_per_s: float = 1.5e9
+    disk_gbs: float = 3.0
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one optimizer step moves and computes."""
+
+    tokens: int  # per micro-batch
+    micro_batches: int
+    block_matmul: int  # weights of the streamed blocks' matrices (recomputed)
+    other_matmul: int  # weights of other matrices (head; everything when resident)
+    streamed: int  # parameters whose weights go up each pass
+    trained: int  # parameters the CPU optimizer steps (0 when resident)
+    disk_state_bytes: int  # the NVMe tier's state, read and written once a step
+
+
+def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> float:
+    """Seconds per optimizer step (``schedule`` ``None``: the resident tier)."""
+    flop_s = rates.gpu_tflops * 1e12
+    recompute = 1 if schedule is not None else 0
+    forward = 2 * (work.block_matmul + work.other_matmul) * work.tokens / flop_s
+    backward = (4 + 2 * recompute) * work.block_matmul * work.tokens / flop_s
+    backward += 4 * work.other_matmul * work.tokens / flop_s
+    if schedule is None:
+        return work.micro_batches * (forward + backward)
+    up = 2 * 2 * work.streamed / (rates.pcie_gbs * 1e9)  # bf16, forward and backward
+    down = 4 * work.trained / (rates.pcie_gbs * 1e9)
+    second = backward if schedule == "norm-first" else 0.0
+    gpu = work.micro_batches * max(forward + backward, up, down) + second
+    update = max(work.trained / rates.cpu_params_per_s, work.disk_state_bytes / (rates.disk_gbs * 1e9))
+    update += (work.micro_batches - 1) * work.trained / rates.cpu_accumulate_params_per_s
+    waits_for = {"backward": forward, "forward": backward, "norm-first": forward + backward}[schedule]
+    return max(gpu, waits_for + update)

@@ -1,0 +1,112 @@
+"""``slide plan``: the plan of a recipe from its config alone, for a machine given by flags."""
+
+import json
+
+import pytest
+
+from lightning_slide.engine import machine
+from lightning_slide.plan_command import plan
+
+QUICKSTART = ["--config", "recipes/quickstart.yaml"]
+KEYS = {"fits", "schedule", "gpu_bytes", "host_bytes", "disk_bytes", "predicted_step_s", "units"}
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    # a directory holding only a config.json: a Llama of 1.2 B parameters (none of them made)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
+                  num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                  max_position_embeddings=4096, tie_word_embeddings=False)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _no_machine(monkeypatch):
+    # every figure comes from the flags: reading this machine is an error
+    def refuse(*args):
+        raise AssertionError("slide plan read this machine")
+
+    for name in ("available_host_bytes", "locked_memory_limit", "device_budget"):
+        monkeypatch.setattr(machine, name, refuse)
+    monkeypatch.setenv("SLIDE_NVME_PATH", "/nonexistent")  # not the planned machine's disk
+
+
+def _run(capsys, args):
+    status = plan(args)
+    return status, capsys.readouterr().out
+
+
+def test_a_small_recipe_fits_whole_on_the_gpu_and_the_json_is_all_of_stdout(capsys):
+    status, out = _run(capsys, [*QUICKSTART, "--gpu-memory", "24", "--host-memory", "64", "--json"])
+    result = json.loads(out)  # nothing else on stdout
+    assert status == 0
+    assert set(result) >= KEYS
+    assert result["fits"] is True
+    assert result["placement"] == "resident"
+    assert {(u["weights"], u["optimizer"]) for u in result["units"]} == {("gpu", "gpu")}
+    assert (
+        sum(u["params"] for u in result["units"]) == 2 * 262 * 128 + 4 * 181_504 + 128
+    )  # embedding, head, blocks, norm
+    assert result["predicted_step_s"] > 0
+
+
+def test_a_model_from_a_config_directory_streams_or_stops_with_the_shortfall(capsys, config_dir):
+    model = [
+        "--model.config",
+        "null",
+        "--model.model",
+        config_dir,
+        "--trainer.precision",
+        "bf16-mixed",
+        "--data.seq_len",
+        "4096",
+    ]
+    status, out = _run(capsys, [*QUICKSTART, *model, "--gpu-memory", "24", "--host-memory", "64", "--json"])
+    result = json.loads(out)
+    assert status == 0
+    assert result["placement"] == "stream"
+    assert {(u["weights"], u["optimizer"]) for u in result["units"]} == {("stream", "cpu")}
+    assert result["host_bytes"] > 1.2e9 * 12  # fp32 masters and Adam's moments
+    # 16 GiB of RAM: does not fit, and the text says by how much and what helps
+    status, out = _run(capsys, [*QUICKSTART, *model, "--gpu-memory", "24", "--host-memory", "16"])
+    assert status == 1
+    assert "does not fit: SlideFormer needs" in out
+    assert "Move the optimizer state to disk" in out
+    # with an NVMe disk, the optimizer state goes there and the run fits
+    status, out = _run(capsys, [*QUICKSTART, *model, "--gpu-memory", "24", "--host-memory", "16", "--nvme-free", "500",
+                                "--json"])  # fmt: skip
+    result = json.loads(out)
+    assert status == 0
+    assert {u["optimizer"] for u in result["units"]} == {"nvme"}
+    assert result["disk_bytes"] > 1.2e9 * 8
+
+
+def test_rates_from_flags_change_the_predicted_step(capsys, config_dir):
+    args = [
+        *QUICKSTART,
+        "--model.config",
+        "null",
+        "--model.model",
+        config_dir,
+        "--gpu-memory",
+        "24",
+        "--host-memory",
+        "64",
+        "--json",
+    ]
+    _, out = _run(capsys, args)
+    _, slower = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e8"])
+    assert json.loads(slower)["predicted_step_s"] > 5 * json.loads(out)["predicted_step_s"]
+
+
+def test_an_nvme_recipe_without_a_disk_does_not_fit_and_says_so(capsys, config_dir):
+    args = ["--config", "recipes/llama3_1_8b_full_nvme.yaml", "--model.model", config_dir, "--gpu-memory", "24",
+            "--host-memory", "64"]  # fmt: skip
+    status, out = _run(capsys, [*args, "--json"])
+    assert status == 1
+    assert json.loads(out) == {"fits": False, "reason": json.loads(out)["reason"]}
+    assert "nvme_path" in json.loads(out)["reason"] or "SLIDE_NVME_PATH" in json.loads(out)["reason"]
+    status, out = _run(capsys, [*args, "--nvme-free", "500", "--json"])
+    assert status == 0
+    assert {u["optimizer"] for u in json.loads(out)["units"]} == {"nvme"}
