@@ -34,7 +34,7 @@ from .engine.planner import (
     window_slots,
 )
 from .engine.tiling import gated_mlp
-from .engine.units import in_forward_order
+from .engine.units import Unit, in_forward_order
 from .models import Layout
 from .rates import Rates, Work, predict_step_s
 
@@ -82,36 +82,48 @@ def resolve_schedule(update_schedule: str, on_nonfinite: str, trainer: Any, modu
     return schedule
 
 
+@dataclass(frozen=True)
+class Run:
+    """What a plan is made for: the module and its parts, where and in what dtype it computes, its optimizer, update
+    schedule and trainer, the strategy's choices, and the element sizes parameters will be stored with on the host
+    where they differ from now."""
+
+    module: LightningModule
+    layout: Layout
+    device: torch.device
+    dtype: torch.dtype
+    optimizer: Optimizer | None
+    schedule: str
+    trainer: Any
+    options: EngineOptions
+    stored: dict[nn.Parameter, int]
+
+
 def choose_engine(
-    module: LightningModule,
-    layout: Layout,
-    device: torch.device,
-    dtype: torch.dtype,
-    optimizer: Optimizer | None,
-    schedule: str,
-    trainer: Any,
-    options: EngineOptions,
-    stored: dict[nn.Parameter, int],
-    available: int,
-    activations: int = 0,
+    run: Run, available: int, activations: int = 0, resident: list[tuple[str, nn.Module]] = ()
 ) -> tuple[SlideEngine, HostPlan]:
-    """The engine for this fit and its host plan: where the plan does not fit the ``available`` RAM, each "auto"
-    takes its cheaper choice in turn (bf16 retained gradients, then "norm-first", then the optimizer state on NVMe).
+    """The engine for ``run`` and its host plan: where the plan does not fit the ``available`` RAM, each "auto" takes
+    its cheaper choice in turn (bf16 retained gradients, then "norm-first", then the optimizer state on NVMe).
 
     Args:
-        stored: the element sizes parameters will be stored with on the host, where they differ from now.
         activations: host bytes of the block inputs that will be offloaded.
+        resident: modules kept on the device (the GPU tier).
     """
+    module, layout, optimizer, trainer, options, stored = (
+        run.module, run.layout, run.optimizer, run.trainer, run.options, run.stored
+    )  # fmt: skip
+    schedule = run.schedule
     config = options.config
 
     def make(nvme_path: str | None, compact: bool = config.compact_retained_grads is True) -> SlideEngine:
         return SlideEngine(
-            module, layout.blocks, device, compute_dtype=dtype, embedding=layout.embedding, head=layout.head,
+            module, layout.blocks, run.device, compute_dtype=run.dtype, embedding=layout.embedding, head=layout.head,
             whole=layout.whole, optimizer=optimizer, schedule=schedule,
             retain_grads=trainer.accumulate_grad_batches > 1,
             num_slots=options.num_slots or 3, on_nonfinite=options.on_nonfinite, cpu_threads=options.cpu_threads,
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
+            resident=resident if schedule != "norm-first" else (),
         )  # fmt: skip
 
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
@@ -224,35 +236,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(
-    module: LightningModule,
-    layout: Layout,
-    device: torch.device,
-    dtype: torch.dtype,
-    optimizer: Optimizer | None,
-    schedule: str,
-    trainer: Any,
-    options: EngineOptions,
-    stored: dict[nn.Parameter, int],
-    tokens: int | None,
-    machine: Machine,
-    logits_built: bool,
-    rates: Rates = Rates(),
-) -> Plan:
+def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool, rates: Rates = Rates()) -> Plan:
     """The run's plan: the resident tier when the whole run fits the device, else the engine that streams it, with
     its window, the block inputs it will offload (predicted from the tokens per batch, as the engine decides them at
     the first step) and its host memory. Nothing is allocated."""
-    tier = choose_tier(options.placement, layout, module, optimizer, dtype, stored, tokens, machine.device,
-                       logits_built)  # fmt: skip
-    work = _work(module, layout, optimizer, tokens, trainer.accumulate_grad_batches)
+    module, layout, optimizer, dtype, options = run.module, run.layout, run.optimizer, run.dtype, run.options
+    tier = choose_tier(run, tokens, machine.device, logits_built)
+    work = _work(module, layout, optimizer, tokens, run.trainer.accumulate_grad_batches)
     if tier.resident:
         units = [UnitPlacement(n, p, "gpu", "gpu" if t else "none") for n, p, t in _layout_units(module, layout)]
         step = predict_step_s(work, None, rates) if work is not None else None
         return Plan(tier, None, units, tier.need, None, predicted_step_s=step)
 
-    def engine_and_host(activations: int) -> tuple[SlideEngine, HostPlan]:
-        engine, host = choose_engine(module, layout, device, dtype, optimizer, schedule, trainer, options, stored,
-                                     machine.host, activations)  # fmt: skip
+    def engine_and_host(activations: int, resident=()) -> tuple[SlideEngine, HostPlan]:
+        engine, host = choose_engine(run, machine.host, activations, resident)
         if options.num_slots is None:
             engine.num_slots = window_slots(engine.device_bytes(3), machine.device)
         return engine, host
@@ -260,33 +257,68 @@ def make_plan(
     engine, host = engine_and_host(0)
     saved = tokens * layout.embedding[1].embedding_dim * 4 if tokens and layout.embedding else 0  # fp32 residual
     reserved = options.config.max_queued_grad_bytes
-    offloaded = 0
-    cuda = machine.device is not None and device.type == "cuda"  # "auto" offloads nothing on the CPU
+    offloaded, planned = 0, None
+    cuda = machine.device is not None and run.device.type == "cuda"  # "auto" offloads nothing on the CPU
     if saved and (options.offload_activations is True or (options.offload_activations == "auto" and cuda)):
         room = machine.device - engine.device_bytes() if machine.device is not None else None
         asked = len(engine.blocks) if options.offload_activations is True else None
         can_tile = any(gated_mlp(u.module) is not None for u in engine.blocks)
         offloaded, tiling = plan_offload(saved, blocks=len(engine.blocks), offloading=asked, budget=room,
                                          reserved=reserved, can_tile=can_tile)  # fmt: skip
+        planned = (saved, offloaded, tiling)
         if offloaded:
             engine, host = engine_and_host(saved * offloaded)
-        engine.planned = (saved, offloaded, tiling)
     device_bytes = engine.device_bytes() + reserved + DEVICE_RESERVE
     device_bytes += saved * (len(engine.blocks) - offloaded + WORKING_INPUTS)
     if layout.causal_lm is not None and not logits_built and tokens:
         head = layout.head[1]
         device_bytes += fused_loss_bytes(tokens, head.out_features, head.in_features)
-    units = [
+    resident, costs = [], 0
+    if options.placement == "auto" and machine.device is not None and optimizer is not None:
+        copies = dtype.itemsize if dtype != torch.float32 else 0
+        room = usable_device_bytes(machine.device) - device_bytes
+        for group in _resident_candidates(engine):
+            params = list(dict.fromkeys(p for u in group for p in u.params))
+            cost = plain_training_bytes(params, optimizer, copies_itemsize=copies, stored=run.stored)
+            if cost <= room - costs:
+                resident += [(u.name, u.module) for u in group]
+                costs += cost
+    if resident and engine.schedule != "norm-first":  # "norm-first" streams every update
+        engine, host = engine_and_host(saved * offloaded, resident)
+        device_bytes += costs
+    engine.planned = planned
+    units, seen = [], set()
+    for name, m in engine.resident_named:  # a parameter shared by two of them counts once
+        params = [p for p in m.parameters() if p not in seen]
+        seen.update(params)
+        trained = "gpu" if any(p.requires_grad for p in params) else "none"
+        units.append(UnitPlacement(name, sum(p.numel() for p in params), "gpu", trained))
+    units += [
         UnitPlacement(u.name, sum(p.numel() for p, o in zip(u.params, u.owner) if o is u), "stream",
                       ("nvme" if engine.nvme_path else "cpu") if any(u.trainable) else "none")
         for u in in_forward_order(engine.embedding, engine.blocks, engine.head, engine.leftovers)
     ]  # fmt: skip
     plan = Plan(tier, engine.schedule, units, device_bytes, host, offloaded, engine=engine)
-    if work is not None:
-        work = replace(work, disk_state_bytes=2 * host.disk)  # read and written back
+    if work is not None:  # the CPU steps, and the weights that travel, are the streamed units' only
+        kept = sum(u.params for u in units if u.weights == "gpu")
+        trained = sum(p.numel() for p in engine.streamed_trainable()) if engine.optimizer is not None else 0
+        work = replace(work, streamed=work.streamed - kept, trained=trained, disk_state_bytes=2 * host.disk)
         plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
     return plan
+
+
+def _resident_candidates(engine: SlideEngine) -> list[list[Unit]]:
+    # the units outside the blocks that could live on the device, in forward order, each with those it shares a
+    # parameter with; none that shares one with a block
+    outside = [u for u in in_forward_order(engine.embedding, [], engine.head, engine.leftovers)]
+    in_blocks = {p for u in engine.blocks for p in u.params}
+    groups: list[list[Unit]] = []
+    for unit in outside:
+        if any(unit in g for g in groups) or in_blocks & set(unit.params):
+            continue
+        groups.append([u for u in outside if u is unit or set(u.params) & set(unit.params)])
+    return groups
 
 
 def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Exception | None:
@@ -380,24 +412,16 @@ class Tier:
     max_tokens: int | None = None  # the most tokens per batch the resident run fits (``None``: streamed)
 
 
-def choose_tier(
-    placement: str,
-    layout: Layout,
-    module: LightningModule,
-    optimizer: Optimizer | None,
-    dtype: torch.dtype,
-    stored: dict[nn.Parameter, int],
-    tokens: int | None,
-    budget: int | None,
-    logits_built: bool,
-) -> Tier:
+def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: bool) -> Tier:
     """The resident tier when everything plain training puts on the device fits ``budget`` at ``tokens`` tokens per
     batch: parameters, gradients, optimizer state and activations (``planner.plain_training_bytes``); else stream.
 
     Args:
-        stored: element sizes parameters will be stored with, where they differ from now.
         logits_built: the loss builds the full logits (the model's own loss; not the installed one).
     """
+    placement, layout, module, optimizer, dtype = (
+        run.options.placement, run.layout, run.module, run.optimizer, run.dtype
+    )  # fmt: skip
     if placement == "stream":
         return Tier(False, "placement='stream'")
     if budget is None:
@@ -406,7 +430,7 @@ def choose_tier(
         return Tier(False, "the tokens per batch are unknown (SlideFormerStrategy(tokens_per_batch=...))")
     params = list(dict.fromkeys(module.parameters()))
     copies = dtype.itemsize if dtype != torch.float32 else 0
-    fixed = plain_training_bytes(params, optimizer, copies_itemsize=copies, stored=stored)
+    fixed = plain_training_bytes(params, optimizer, copies_itemsize=copies, stored=run.stored) + DEVICE_RESERVE
     blocks = [m for _, m in layout.blocks]
     head = _head(module, layout)
     per_token = plain_activation_bytes(blocks, dtype.itemsize, head.out_features if logits_built and head else 0)

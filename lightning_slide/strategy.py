@@ -33,6 +33,7 @@ from .placement import (
     EngineOptions,
     Machine,
     Plan,
+    Run,
     Tier,
     check_batch_tokens,
     frozen_to_store,
@@ -104,7 +105,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             Restored when training ends.
         placement: ``"auto"`` trains the whole model on the GPU as plain Lightning does (nothing streams, torch's
             optimizer steps there) when parameters, gradients, optimizer state and activations fit the GPU memory the
-            process may use, and streams otherwise; ``"stream"`` always streams. Decided at setup, logged.
+            process may use; otherwise it streams the blocks and keeps on the GPU those modules outside them (the
+            embedding, the final norm, the head) that fit what the window and activations leave, stepped there by
+            the optimizer. ``"stream"`` streams everything. Decided at setup, logged as one table.
         device_memory_gib: the device memory the plan may use (within what the GPU has free); on the CPU, a budget
             that lets ``placement="auto"`` place the model there (tests). ``None``: the GPU's free memory.
         tokens_per_batch: tokens per micro-batch for the plan; ``None``: the datamodule's ``tokens_per_batch``, else
@@ -328,17 +331,24 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self._loaded_masters = {}
         if fitting:  # the optimizer's step() ends the engine's step
             self._restores.append(self.engine.step.attach())
-        if self.install_loss and layout.causal_lm is not None:
-            engine = self.engine
-            self._restores.append(
-                install_causal_lm_loss(
-                    layout.causal_lm,
-                    lambda hidden, labels, **kw: engine.head_loss(hidden, labels, causal_lm_loss, **kw),
-                )
-            )
+        self._install_loss(layout, dtype)
         self.model = module
         if fitting:
             self.setup_precision_plugin()
+
+    def _install_loss(self, layout: Layout, dtype: torch.dtype) -> None:
+        # the logits-free loss: on the head's buffer when it streams, on its own weights when it is on the device
+        if not (self.install_loss and layout.causal_lm is not None):
+            return
+        engine, head = self.engine, layout.causal_lm.get_output_embeddings()
+        streamed = engine is not None and engine.head is not None
+
+        def loss(hidden: torch.Tensor, labels: torch.Tensor, **kw: Any) -> torch.Tensor:
+            if streamed:
+                return engine.head_loss(hidden, labels, causal_lm_loss, **kw)
+            return causal_lm_loss(hidden, head.weight.to(dtype), labels, head.bias, **kw)
+
+        self._restores.append(install_causal_lm_loss(layout.causal_lm, loss))
 
     def plan_run(
         self,
@@ -366,8 +376,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         stored = self._storage(layout, optimizer)[3]
         loss = self.install_loss and layout.causal_lm is not None
         dtype = self.precision_plugin.compute_dtype
-        return make_plan(module, layout, device, dtype, optimizer, schedule, trainer, options, stored, tokens, machine,
-                         not loss, rates)  # fmt: skip
+        run = Run(module, layout, device, dtype, optimizer, schedule, trainer, options, stored)
+        return make_plan(run, tokens, machine, not loss, rates)
 
     def _storage(self, layout: Layout, optimizer: Optimizer | None) -> tuple[list, list, list, dict]:
         # what changes dtype before training: frozen matrices to the compute dtype, trained half weights (all of
@@ -406,14 +416,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         )  # fmt: skip
         module.to(self.root_device)
         self.precision_plugin.engine = None
-        if self.install_loss and layout.causal_lm is not None:
-            head = layout.causal_lm.get_output_embeddings()
-            self._restores.append(
-                install_causal_lm_loss(
-                    layout.causal_lm,
-                    lambda hidden, labels, **kw: causal_lm_loss(hidden, head.weight.to(dtype), labels, head.bias, **kw),
-                )
-            )
+        self._install_loss(layout, dtype)
         self.model = module
         if fitting:
             self.setup_precision_plugin()

@@ -74,6 +74,17 @@ class CausalLM(L.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
 
 
+class NaNIntoEmbedding(CausalLM):
+    """A causal LM whose embedding output gets a NaN gradient at optimizer step 3."""
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        embeds = self.model.get_input_embeddings()(ids)
+        if self.global_step == 3:
+            embeds.register_hook(lambda grad: grad * float("nan"))
+        return self.model(inputs_embeds=embeds, labels=ids).loss
+
+
 class StackModel(nn.Module):
     """A plain (non-Hugging Face) model: an embedding, an nn.ModuleList of blocks with dropout, a head."""
 

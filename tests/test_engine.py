@@ -17,6 +17,7 @@ from helpers import (
     VOCAB,
     CausalLM,
     LargestTensor,
+    NaNIntoEmbedding,
     StackLM,
     count_deferred_gathers,
     fit,
@@ -615,14 +616,6 @@ def test_nonfinite_embedding_gradient_never_reaches_the_touched_rows(schedule):
     # without clipping, a NaN in the embedding's gradient alone stops training before the touched rows' update:
     # "forward", on the device, so it never reaches the host's masters nor the next forward; "backward", deferred to
     # the next gather (embedding.py)
-    class NaNIntoEmbedding(CausalLM):
-        def training_step(self, batch, batch_idx):
-            (ids,) = batch
-            embeds = self.model.get_input_embeddings()(ids)
-            if self.global_step == 3:
-                embeds.register_hook(lambda grad: grad * float("nan"))
-            return self.model(inputs_embeds=embeds, labels=ids).loss
-
     kept = []
     with pytest.raises(NonFiniteGradientError, match="optimizer step 3 in 'model.model.embed_tokens'"):
         fit(NaNIntoEmbedding(tiny_config("llama")), SlideFormerStrategy(num_slots=2, update_schedule=schedule,

@@ -6,8 +6,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import CUDA, CausalLM, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
-from lightning_slide import SlideFormerStrategy
+from helpers import CUDA, CausalLM, NaNIntoEmbedding, StackLM, fit, global_error, max_rel_error, tiny_config, token_data
+from lightning_slide import NonFiniteGradientError, SlideFormerStrategy, placement
+from lightning_slide.engine import EngineConfig
+
+_real_choose_tier = placement.choose_tier
 
 FP32_TOL = 1e-5
 
@@ -143,6 +146,79 @@ def test_offloaded_block_inputs_are_planned_at_setup_and_a_larger_batch_is_refus
         fit(module, strategy(24), steps=1)
 
 
+@pytest.fixture
+def gpu_tier(monkeypatch):
+    """The strategy for the GPU tier on the CPU: a budget where the whole model "does not fit" (the tier choice is
+    forced) but the units outside the blocks do, with little device memory held for gradients on their way."""
+    monkeypatch.setattr(placement, "choose_tier", lambda *args: placement.Tier(False, "the whole model does not fit"))
+
+    def strategy(**kwargs):
+        config = EngineConfig(max_queued_grad_bytes=1 << 20)
+        return SlideFormerStrategy(num_slots=2, device_memory_gib=2, engine=config, **kwargs)
+
+    return strategy
+
+
+def _resident(strategy):
+    return [u.name for u in strategy.plan.units if u.weights == "gpu"]
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs"),
+    [
+        (lambda: CausalLM(tiny_config("llama", tied=True)), dict(accumulate_grad_batches=2, gradient_clip_val=0.05)),
+        (lambda: CausalLM(tiny_config("qwen3")), dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")),
+        (lambda: CausalLM(tiny_config("llama")), dict(accumulate_grad_batches=2)),  # schedule "backward"
+        (StackLM, dict(gradient_clip_val=0.05)),
+    ],
+    ids=["llama-tied-accumulate-clip", "qwen3-clip-value", "llama-accumulate", "plain-module-clip"],
+)
+def test_the_gpu_tier_keeps_what_fits_on_the_device_and_matches_plain_lightning(gpu_tier, make, kwargs):
+    # the embedding, the head and the final norm on the device, stepped by the user's optimizer there; the blocks
+    # streamed: clipping (by norm over both, or by value), accumulation, two param groups and a scheduler
+    module = make()
+    ref, _ = fit(module, "auto", **kwargs)
+    strategy = gpu_tier()
+    ours, trained = fit(module, strategy, **kwargs)
+    outside = {"model.model.embed_tokens", "model.model.norm", "model.lm_head", "net.embed", "net.norm", "net.head"}
+    assert set(_resident(strategy)) == outside & {n for n, _ in module.named_modules()}
+    assert {u.weights for u in strategy.plan.units if ".layers." in u.name or ".blocks." in u.name} == {"stream"}
+    err, where = max_rel_error(ours, ref)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+    moved, _ = max_rel_error(ref, {k: v.float() for k, v in module.state_dict().items()})
+    assert moved > 1e-2
+    assert all(p.device.type == "cpu" and p.grad is None for p in trained.parameters())  # handed back
+
+
+@pytest.mark.parametrize(("first", "then"), [("gpu-tier", "stream"), ("stream", "gpu-tier"), ("gpu-tier", "whole")])
+def test_a_resume_into_or_out_of_the_gpu_tier_continues_exactly(tmp_path, gpu_tier, monkeypatch, first, then):
+    # one optimizer state format: a unit's state moves between the device, the host and back with its unit
+    def strategy(kind):
+        if kind == "whole":
+            monkeypatch.setattr(placement, "choose_tier", _real_choose_tier)
+            return SlideFormerStrategy(device_memory_gib=2)
+        return gpu_tier(placement="stream" if kind == "stream" else "auto")
+
+    module = CausalLM(tiny_config("llama", tied=True))
+    kwargs = dict(gradient_clip_val=0.05, accumulate_grad_batches=2)
+    straight, _ = fit(module, "auto", steps=4, **kwargs)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    fit(module, strategy(first), steps=2, callbacks=[ckpt], enable_checkpointing=True, **kwargs)
+    resumed, _ = fit(module, strategy(then), steps=4, ckpt_path=str(next(tmp_path.glob("*.ckpt"))), **kwargs)
+    err, where = max_rel_error(resumed, straight)
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+
+def test_a_nonfinite_gradient_on_the_device_stops_before_any_update(gpu_tier):
+    module = NaNIntoEmbedding(tiny_config("llama"))
+    with pytest.raises(NonFiniteGradientError, match="optimizer step 3 in 'model.model.embed_tokens.weight'"):
+        fit(module, gpu_tier(update_schedule="forward"), steps=5)
+    # with clipping and on_nonfinite="skip", the step is skipped on the device too: nothing non-finite is applied
+    kwargs = dict(gradient_clip_val=0.05)
+    skipped, _ = fit(module, gpu_tier(on_nonfinite="skip"), steps=5, **kwargs)
+    assert all(bool(v.isfinite().all()) for v in skipped.values())
+
+
 def test_placement_arguments_are_checked():
     for kwargs, match in [
         (dict(placement="gpu"), "placement must be one of"),
@@ -174,4 +250,27 @@ def test_on_cuda_the_resident_plan_bounds_the_peak_and_bf16_is_within_twice_plai
     assert placed.seen == {(False, "cuda")}
     planned = strategy.tier.need
     assert planned / 2 <= peak <= planned, f"measured {peak / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB"
+    assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_on_cuda_the_gpu_tier_is_within_twice_plain_bf16_error_and_the_plan_bounds_the_peak(monkeypatch):
+    # the whole model "does not fit" (forced): the blocks stream, the embedding, the norm and the head stay on the GPU
+    monkeypatch.setattr(placement, "choose_tier", lambda *args: placement.Tier(False, "the whole model does not fit"))
+    config = tiny_config("llama", hidden_size=1024, intermediate_size=2816, num_attention_heads=8, vocab_size=32000,
+                         max_position_embeddings=512)  # fmt: skip
+    module = CausalLM(config)
+    data = torch.randint(0, 32000, (32, 512), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(accelerator="gpu", data=data, steps=4, batch_size=8, gradient_clip_val=1.0)
+    ref32, _ = fit(module, "auto", **kwargs)
+    plain16, _ = fit(module, "auto", precision="bf16-mixed", **kwargs)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    strategy = SlideFormerStrategy(num_slots=2)
+    ours16, _ = fit(module, strategy, precision="bf16-mixed", **kwargs)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert set(_resident(strategy)) == {"model.model.embed_tokens", "model.model.norm", "model.lm_head"}
+    planned = strategy.plan.device_bytes
+    assert peak <= planned, f"measured {peak / 2**20:.0f} MiB, planned {planned / 2**20:.0f} MiB"
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)

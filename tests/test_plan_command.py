@@ -66,8 +66,11 @@ def test_a_model_from_a_config_directory_streams_or_stops_with_the_shortfall(cap
     result = json.loads(out)
     assert status == 0
     assert result["placement"] == "stream"
-    assert {(u["weights"], u["optimizer"]) for u in result["units"]} == {("stream", "cpu")}
-    assert result["host_bytes"] > 1.2e9 * 12  # fp32 masters and Adam's moments
+    blocks = [u for u in result["units"] if ".layers." in u["name"]]
+    assert {(u["weights"], u["optimizer"]) for u in blocks} == {("stream", "cpu")}
+    assert {(u["weights"], u["optimizer"]) for u in result["units"]} <= {("stream", "cpu"), ("gpu", "gpu")}
+    streamed = sum(u["params"] for u in result["units"] if u["weights"] == "stream")
+    assert result["host_bytes"] > streamed * 12  # fp32 masters and Adam's moments of what streams
     # 16 GiB of RAM: does not fit, and the text says by how much and what helps
     status, out = _run(capsys, [*QUICKSTART, *model, "--gpu-memory", "24", "--host-memory", "16"])
     assert status == 1
@@ -78,8 +81,8 @@ def test_a_model_from_a_config_directory_streams_or_stops_with_the_shortfall(cap
                                 "--json"])  # fmt: skip
     result = json.loads(out)
     assert status == 0
-    assert {u["optimizer"] for u in result["units"]} == {"nvme"}
-    assert result["disk_bytes"] > 1.2e9 * 8
+    assert {u["optimizer"] for u in result["units"] if u["weights"] == "stream"} == {"nvme"}
+    assert result["disk_bytes"] >= sum(u["params"] for u in result["units"] if u["weights"] == "stream") * 8
 
 
 def test_rates_from_flags_change_the_predicted_step(capsys, config_dir):

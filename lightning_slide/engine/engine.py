@@ -89,6 +89,8 @@ class SlideEngine:
             "forward" schedule the gradients are then shown there, and the embedding's update is not split.
         compact_grads: keep retained gradients in bf16 where they can be (see :meth:`compact_grads`).
         config: the mechanism's knobs (``config.py``).
+        resident: modules kept whole on the device (the GPU tier): out of every unit, their gradients stay there and
+            the user's optimizer steps them there (``step.py``).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class SlideEngine:
         hooks_read_grads: bool = True,
         compact_grads: bool = False,
         config: EngineConfig | None = None,
+        resident: list[tuple[str, nn.Module]] = (),
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -120,13 +123,22 @@ class SlideEngine:
             )
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
+        if resident and schedule == "norm-first":
+            raise ValueError("update_schedule='norm-first' streams every update; it keeps no module on the device.")
         self.config = config = config or EngineConfig()
         self.model, self.device, self.compute_dtype = model, device, compute_dtype
         self.schedule: Schedule = schedule
         self.on_nonfinite = on_nonfinite
         self.num_slots = num_slots
+        # the resident modules live on the device, out of every unit; torch's optimizer steps them there
+        self.resident_named = list(resident)
+        self.resident = [m for _, m in resident]
+        self.resident_params = list(dict.fromkeys(p for m in self.resident for p in m.parameters()))
+        kept = {m for r in self.resident for m in r.modules()}
+        embedding, head = (None if part is None or part[1] in kept else part for part in (embedding, head))
+        whole = [(n, m) for n, m in whole if m not in kept]
         self.embedding, self.blocks, self.head, self.leftovers = collect_units(
-            model, blocks, compute_dtype, embedding, head, whole
+            model, blocks, compute_dtype, embedding, head, whole, self.resident
         )
         # parameters more than one unit computes with (tied embeddings)
         self._shared = {p for u in self.units for p, o in zip(u.params, u.owner) if o is not u}
@@ -188,17 +200,18 @@ class SlideEngine:
                 " computes with fp32 weights, so nothing would be saved. Train with precision='bf16-mixed' or set"
                 " nvme_masters=False."
             )
-        trainable = self._trainable()
+        trainable = self.streamed_trainable()
         return [p for u in self.blocks for p, o in zip(u.params, u.owner) if o is u and p.dim() >= 2 and p in trainable]
 
-    def _trainable(self) -> set[nn.Parameter]:
-        # the parameters the optimizer updates (frozen ones in it have no state)
-        return {p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.requires_grad}
+    def streamed_trainable(self) -> set[nn.Parameter]:
+        """The streamed parameters the optimizer updates (frozen ones in it have no state)."""
+        trainable = {p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.requires_grad}
+        return trainable - set(self.resident_params)
 
     def _check_optimizer_params(self) -> None:
         if self.optimizer is None:
             return
-        managed = {p for u in self.units for p in u.params}
+        managed = {p for u in self.units for p in u.params} | set(self.resident_params)
         stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p not in managed]
         if stray:
             raise ValueError(
@@ -313,6 +326,8 @@ class SlideEngine:
             self.activations = ActivationStash(self.transfer)
             self.offloading = None if self._offload_activations == "auto" else len(self.blocks)
         move_except_parameters(self.model, self.device)
+        for p in self.resident_params:
+            p.data = p.data.to(self.device)
         if self.transfer.is_cuda:
             for unit in self.units:
                 self.transfer.pin([p for p, o in zip(unit.params, unit.owner) if o is unit])
@@ -327,17 +342,18 @@ class SlideEngine:
             )  # fmt: skip
         if training:
             names = {p: name for name, p in self.model.named_parameters()}
-            self.guard = Guard(names, self._trainable())
+            self.guard = Guard(names, self.streamed_trainable(), set(self.resident_params))
             self.step = Step(
                 schedule=self.schedule, on_nonfinite=self.on_nonfinite, optimizer=self.optimizer, updates=self.updates,
                 sender=self.sender, worker=self.worker, window=self.window, rows=self.rows,
                 activations=self.activations, forward_units=self._forward_units(), names=names, guard=self.guard,
+                resident=self.resident_params,
             )  # fmt: skip
         self._patch()
 
     def _state_units(self) -> list[tuple[str, list[nn.Parameter]]]:
         # per unit, the trainable parameters it owns (what has optimizer state)
-        trainable = self._trainable()
+        trainable = self.streamed_trainable()
         units = [(u.name, [p for p, o in zip(u.params, u.owner) if o is u and p in trainable]) for u in self.units]
         return [(name, params) for name, params in units if params]
 
@@ -380,6 +396,9 @@ class SlideEngine:
                     self.optimizer.store.close()
                     self.optimizer.store = None
             move_except_parameters(self.model, torch.device("cpu"))
+            for p in self.resident_params:
+                p.data = p.data.cpu()
+                p.grad = None
             self.window = None
 
     def _masters_from_disk(self) -> None:

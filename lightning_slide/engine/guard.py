@@ -42,12 +42,16 @@ class Guard:
 
     Args:
         names: every parameter's name (for messages).
-        trained: the parameters the optimizer updates.
+        trained: the streamed parameters the optimizer updates.
+        resident: the parameters on the device, whose gradients autograd leaves: the loss may reach them, a node
+            may not (its backward computes gradients of its own weights and arguments only).
     """
 
-    def __init__(self, names: dict[nn.Parameter, str], trained: set[nn.Parameter]) -> None:
+    def __init__(
+        self, names: dict[nn.Parameter, str], trained: set[nn.Parameter], resident: set[nn.Parameter] = frozenset()
+    ) -> None:
         self.probing = True  # until the first training backward starts
-        self._names, self._trained = names, trained
+        self._names, self._trained, self._resident = names, trained, resident
         self.carried: dict[Unit, set[Site]] = defaultdict(set)
 
     # ---- one node's probe ----------------------------------------------------------------------------------------
@@ -94,7 +98,7 @@ class Guard:
                     f" as an argument of '{unit.name}''s forward, or turn the sharing off in the model's config"
                     f" (path: {path})."
                 )
-            if leaf in self._trained:
+            if leaf in self._trained or leaf in self._resident:
                 raise self._direct_use(leaf, f"inside '{unit.name}'", path)
 
     # ---- the probe's loss --------------------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ def plan_host(
     params = [p for unit in units for p in unit]
     masters = sum(stored(p) for p in params)
     groups = optimizer.param_groups if optimizer is not None else []
-    trainable = {p for group in groups for p in group["params"] if p.requires_grad}  # frozen: no state, no grads
+    # frozen: no state, no grads; parameters of no unit (resident on the device): nothing on the host
+    trainable = {p for group in groups for p in group["params"] if p.requires_grad} & set(params)
     trainable_bytes = sum(p.numel() * 4 for p in trainable)
     per = _state_per_fp32(optimizer) if optimizer is not None else 0
     state = trainable_bytes * per
@@ -223,16 +224,16 @@ def plain_training_bytes(
     copies_itemsize: int,
     stored: dict[nn.Parameter, int] | None = None,
 ) -> int:
-    """Device bytes of plain training with every parameter on the device (activations apart): each parameter as
-    stored, the compute-dtype copies autocast makes of the matrices (``copies_itemsize``; 0 under fp32), and for
-    each trainable one its gradient, the optimizer's state and as much again for the step's temporaries (torch's
-    foreach implementations), and the kernels' ``DEVICE_RESERVE``."""
+    """Device bytes of ``params`` trained on the device (activations apart): each parameter as stored, the
+    compute-dtype copies autocast makes of the matrices (``copies_itemsize``; 0 under fp32), and for each trainable
+    one its gradient, the optimizer's state and as much again for the step's temporaries (torch's foreach
+    implementations)."""
     sizes = stored or {}
     weights = sum(p.numel() * sizes.get(p, p.element_size()) for p in params)
-    copies = sum(p.numel() * copies_itemsize for p in params if p.dim() >= 2) + DEVICE_RESERVE
+    copies = sum(p.numel() * copies_itemsize for p in params if p.dim() >= 2)
     if optimizer is None:
         return weights + copies
-    trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad} & set(params)
     grads = sum(p.numel() * sizes.get(p, p.element_size()) for p in trainable)
     return weights + copies + grads * (2 + _state_per_fp32(optimizer))
 

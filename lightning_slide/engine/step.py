@@ -31,7 +31,7 @@ from .guard import Guard
 from .optim import CpuOptimizer
 from .rows import Contribution
 from .units import Unit
-from .updates import StepPlan, Updates
+from .updates import NonFiniteGradientError, StepPlan, Updates, nonfinite_message
 from .window import Window
 from .worker import CpuWorker
 
@@ -67,8 +67,10 @@ class Step:
         forward_units: list[Unit],
         names: dict[nn.Parameter, str],
         guard: Guard,
+        resident: list[nn.Parameter] = (),
     ) -> None:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
+        self.resident = resident  # on the device: autograd leaves their gradients, the user's optimizer steps them
         self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
         self.window, self.rows, self.activations = window, rows, activations
         self._forward_units = forward_units
@@ -156,7 +158,10 @@ class Step:
         if self.schedule == "forward":  # the only schedule that shows them
             for p in self.updates.pending:
                 p.grad = None
-        stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self._check_resident()
+        resident = set(self.resident)
+        stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]
+                 if p.grad is not None and p not in resident]  # fmt: skip
         if stray:
             names = [self._names.get(p, f"a tensor of shape {tuple(p.shape)}") for p in stray]
             raise RuntimeError(
@@ -178,6 +183,9 @@ class Step:
             )
         if algorithm == "value":
             self.plan.clip_value = float(value)
+            if grads := self._resident_grads():
+                torch._foreach_clamp_min_(grads, -value)
+                torch._foreach_clamp_max_(grads, value)
             return None
         if self.schedule == "norm-first":  # applied already, by the second backward pass
             if value != self._norm_first_max:
@@ -187,7 +195,10 @@ class Step:
                     " clipping value through Trainer(gradient_clip_val=...) only, or use update_schedule='forward'."
                 )
             return self.plan.norm
-        return self._clip_by(self.updates.global_norm(self._update_order_params()), value)
+        streamed = self.updates.global_norm(self._update_order_params())
+        grads = self._resident_grads()
+        on_device = sum(float(n) ** 2 for n in torch._foreach_norm(grads, 2.0)) if grads else 0.0
+        return self._clip_by(math.sqrt(streamed**2 + on_device), value)
 
     def _clip_by(self, total: float, max_norm: float) -> float:
         plan = self.plan
@@ -195,7 +206,24 @@ class Step:
             log.warning("Skipping optimizer step %d: the gradient norm is %s.", plan.step, total)
         self.updates.clip_by_norm(plan, total, max_norm, skip_nonfinite=self.on_nonfinite == "skip")
         plan.norm = total
+        if plan.grad_scale is not None and (grads := self._resident_grads()):
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))  # as clip_grad_norm_ scales them
         return total
+
+    def _resident_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.resident if p.grad is not None]
+
+    def _check_resident(self) -> None:
+        # the resident gradients the optimizer is about to apply: none in a skipped step, none non-finite
+        grads = self._resident_grads()
+        if not grads:
+            return
+        if self.plan.skip:
+            for p in self.resident:
+                p.grad = None
+        elif not self.plan.norm_checked and not all(math.isfinite(float(n)) for n in torch._foreach_norm(grads, 2.0)):
+            bad = next(p for p in self.resident if p.grad is not None and not torch.isfinite(p.grad).all())
+            raise NonFiniteGradientError(nonfinite_message(self.plan.step, self._names.get(bad, "a parameter")))
 
     def _update_order_params(self) -> list[nn.Parameter]:
         return [p for u in self._update_order() for p, o in zip(u.params, u.owner) if o is u]

@@ -156,10 +156,12 @@ def collect_units(
     embedding: tuple[str, nn.Embedding] | None = None,
     head: tuple[str, nn.Linear] | None = None,
     whole: list[tuple[str, nn.Module]] = (),
+    resident: list[nn.Module] = (),
 ) -> tuple[Unit | None, list[Unit], Unit | None, list[Unit]]:
     """The units of ``model``: its embedding (fp32 rows), its blocks, its head, and every other outermost module that
     holds parameters of its own (the leftovers: the final norm, a plain model's pieces, and the ``whole`` modules),
-    each with the modules inside it, with each shared parameter owned by one of them.
+    each with the modules inside it, with each shared parameter owned by one of them. The ``resident`` modules stay
+    out of every unit (they live on the device).
 
     Raises:
         BoundaryError: a leftover also holds blocks (its own parameters could not be streamed apart from them).
@@ -169,7 +171,7 @@ def collect_units(
     top = Unit(head[0], head[1], compute_dtype) if head else None
     named = [u for u in (emb, *stack, top) if u is not None]
     wholes = [Unit(name, module, compute_dtype) for name, module in whole]
-    taken = {m for u in (*named, *wholes) for m in u.module.modules()}
+    taken = {m for u in (*named, *wholes) for m in u.module.modules()} | {m for r in resident for m in r.modules()}
     unit_modules = {u.module: u for u in (*named, *wholes)}
     singles = []
     for name, m in model.named_modules():  # an outer module comes before the modules inside it
