@@ -309,16 +309,17 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
 
 
 def _resident_candidates(engine: SlideEngine) -> list[list[Unit]]:
-    # the units outside the blocks that could live on the device, in forward order, each with those it shares a
-    # parameter with; none that shares one with a block
-    outside = [u for u in in_forward_order(engine.embedding, [], engine.head, engine.leftovers)]
+    # what could live on the device, in this order: the units outside the blocks in forward order, each with those it
+    # shares a parameter with (none that shares one with a block), then the blocks from the first, all but the last
+    outside = in_forward_order(engine.embedding, [], engine.head, engine.leftovers)
+    shared = engine.shared_params()
     in_blocks = {p for u in engine.blocks for p in u.params}
     groups: list[list[Unit]] = []
     for unit in outside:
         if any(unit in g for g in groups) or in_blocks & set(unit.params):
             continue
         groups.append([u for u in outside if u is unit or set(u.params) & set(unit.params)])
-    return groups
+    return groups + [[u] for u in engine.blocks[:-1] if not shared & set(u.params)]
 
 
 def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Exception | None:

@@ -105,9 +105,10 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             Restored when training ends.
         placement: ``"auto"`` trains the whole model on the GPU as plain Lightning does (nothing streams, torch's
             optimizer steps there) when parameters, gradients, optimizer state and activations fit the GPU memory the
-            process may use; otherwise it streams the blocks and keeps on the GPU those modules outside them (the
-            embedding, the final norm, the head) that fit what the window and activations leave, stepped there by
-            the optimizer. ``"stream"`` streams everything. Decided at setup, logged as one table.
+            process may use; otherwise it streams the blocks and keeps on the GPU what fits the memory the window and
+            activations leave: the modules outside the blocks (the embedding, the final norm, the head), then the
+            first blocks (recomputed in backward), stepped there by the optimizer. ``"stream"`` streams everything.
+            Decided at setup, logged as one table.
         device_memory_gib: the device memory the plan may use (within what the GPU has free); on the CPU, a budget
             that lets ``placement="auto"`` place the model there (tests). ``None``: the GPU's free memory.
         tokens_per_batch: tokens per micro-batch for the plan; ``None``: the datamodule's ``tokens_per_batch``, else

@@ -67,7 +67,8 @@ def test_a_model_from_a_config_directory_streams_or_stops_with_the_shortfall(cap
     assert status == 0
     assert result["placement"] == "stream"
     blocks = [u for u in result["units"] if ".layers." in u["name"]]
-    assert {(u["weights"], u["optimizer"]) for u in blocks} == {("stream", "cpu")}
+    assert len(blocks) == 16
+    assert (blocks[-1]["weights"], blocks[-1]["optimizer"]) == ("stream", "cpu")  # the GPU tier keeps the first ones
     assert {(u["weights"], u["optimizer"]) for u in result["units"]} <= {("stream", "cpu"), ("gpu", "gpu")}
     streamed = sum(u["params"] for u in result["units"] if u["weights"] == "stream")
     assert result["host_bytes"] > streamed * 12  # fp32 masters and Adam's moments of what streams

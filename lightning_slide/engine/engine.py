@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
 
 from . import machine
 from .activations import ActivationStash, plan_offload
@@ -90,7 +91,7 @@ class SlideEngine:
         compact_grads: keep retained gradients in bf16 where they can be (see :meth:`compact_grads`).
         config: the mechanism's knobs (``config.py``).
         resident: modules kept whole on the device (the GPU tier): out of every unit, their gradients stay there and
-            the user's optimizer steps them there (``step.py``).
+            the user's optimizer steps them there (``step.py``); blocks among them recompute in backward.
     """
 
     def __init__(
@@ -137,6 +138,8 @@ class SlideEngine:
         kept = {m for r in self.resident for m in r.modules()}
         embedding, head = (None if part is None or part[1] in kept else part for part in (embedding, head))
         whole = [(n, m) for n, m in whole if m not in kept]
+        self.resident_blocks = [m for _, m in blocks if m in kept]
+        blocks = [(n, m) for n, m in blocks if m not in kept]
         self.embedding, self.blocks, self.head, self.leftovers = collect_units(
             model, blocks, compute_dtype, embedding, head, whole, self.resident
         )
@@ -185,6 +188,10 @@ class SlideEngine:
     @property
     def units(self) -> list[Unit]:
         return [u for u in (self.embedding, *self.blocks, self.head) if u is not None] + self.leftovers
+
+    def shared_params(self) -> set[nn.Parameter]:
+        """Parameters that more than one unit computes with (tied embeddings)."""
+        return self._shared
 
     def _forward_units(self) -> list[Unit]:
         return in_forward_order(self.embedding, self.blocks, self.head, self.leftovers)
@@ -363,6 +370,8 @@ class SlideEngine:
 
     def _patch(self) -> None:
         patch = self._unpatch.append
+        for module in self.resident_blocks:
+            patch(replace_forward(module, partial(_recomputed, module.forward)))
         for unit in self.blocks:
             patch(replace_forward(unit.module, partial(self._block_forward, unit)))
             if self.activations is not None and (mlp := gated_mlp(unit.module)) is not None:
@@ -540,3 +549,10 @@ class SlideEngine:
         self.worker.drain()
         if self.rows is not None:
             self.rows.row_copy = None  # the host holds it
+
+
+def _recomputed(forward, *args, **kwargs):
+    # a block on the device keeps only its inputs for the backward and recomputes the rest, as a streamed one does
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
