@@ -1,7 +1,7 @@
-"""Where a run's state goes, decided at setup before anything large is allocated: the whole model on the device (the
-resident tier) or streamed; for a streamed run the update schedule, bf16 retained gradients and the optimizer state's
-tier (RAM or NVMe), from the trainer's settings and the host plan against the RAM available. Each "auto" that the plan
-decides is logged."""
+"""Where a run's state goes, decided at setup before anything large is allocated (``make_plan``): the whole model on
+the device (the resident tier) or streamed; for a streamed run, the modules that stay on the device (the GPU tier),
+the blocks whose inputs are offloaded, the update schedule, bf16 retained gradients and the optimizer state's tier
+(RAM or NVMe), from the trainer's settings, the tokens per batch and the machine's figures. The plan is logged."""
 
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
     """The run's plan: the resident tier when the whole run fits the device, else the engine that streams it, with
     its window, the block inputs it will offload (predicted from the tokens per batch, as the engine decides them at
     the first step) and its host memory. Nothing is allocated."""
-    module, layout, optimizer, dtype, options = run.module, run.layout, run.optimizer, run.dtype, run.options
+    module, layout, optimizer, options = run.module, run.layout, run.optimizer, run.options
     tier = choose_tier(run, tokens, machine.device, logits_built)
     work = _work(module, layout, optimizer, tokens, run.trainer.accumulate_grad_batches)
     if tier.resident:
@@ -273,31 +273,14 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
     if layout.causal_lm is not None and not logits_built and tokens:
         head = layout.head[1]
         device_bytes += fused_loss_bytes(tokens, head.out_features, head.in_features)
-    resident, costs = [], 0
-    if options.placement == "auto" and machine.device is not None and optimizer is not None:
-        copies = dtype.itemsize if dtype != torch.float32 else 0
-        room = usable_device_bytes(machine.device) - device_bytes
-        for group in _resident_candidates(engine):
-            params = list(dict.fromkeys(p for u in group for p in u.params))
-            cost = plain_training_bytes(params, optimizer, copies_itemsize=copies, stored=run.stored)
-            if cost <= room - costs:
-                resident += [(u.name, u.module) for u in group]
-                costs += cost
-    if resident and engine.schedule != "norm-first":  # "norm-first" streams every update
-        engine, host = engine_and_host(saved * offloaded, resident)
-        device_bytes += costs
+    # "norm-first" streams every update
+    if options.placement == "auto" and machine.device is not None and engine.schedule != "norm-first":
+        resident, costs = _gpu_tier(run, engine, usable_device_bytes(machine.device) - device_bytes)
+        if resident:
+            engine, host = engine_and_host(saved * offloaded, resident)
+            device_bytes += costs
     engine.planned = planned
-    units, seen = [], set()
-    for name, m in engine.resident_named:  # a parameter shared by two of them counts once
-        params = [p for p in m.parameters() if p not in seen]
-        seen.update(params)
-        trained = "gpu" if any(p.requires_grad for p in params) else "none"
-        units.append(UnitPlacement(name, sum(p.numel() for p in params), "gpu", trained))
-    units += [
-        UnitPlacement(u.name, sum(p.numel() for p, o in zip(u.params, u.owner) if o is u), "stream",
-                      ("nvme" if engine.nvme_path else "cpu") if any(u.trainable) else "none")
-        for u in in_forward_order(engine.embedding, engine.blocks, engine.head, engine.leftovers)
-    ]  # fmt: skip
+    units = _placements(engine)
     plan = Plan(tier, engine.schedule, units, device_bytes, host, offloaded, engine=engine)
     if work is not None:  # the CPU steps, and the weights that travel, are the streamed units' only
         kept = sum(u.params for u in units if u.weights == "gpu")
@@ -306,6 +289,36 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
     return plan
+
+
+def _gpu_tier(run: Run, engine: SlideEngine, room: int) -> tuple[list[tuple[str, nn.Module]], int]:
+    # the modules that stay on the device within ``room`` bytes (``_resident_candidates``, in order), and their bytes
+    if run.optimizer is None:
+        return [], 0
+    copies = run.dtype.itemsize if run.dtype != torch.float32 else 0
+    resident, costs = [], 0
+    for group in _resident_candidates(engine):
+        params = list(dict.fromkeys(p for u in group for p in u.params))
+        cost = plain_training_bytes(params, run.optimizer, copies_itemsize=copies, stored=run.stored)
+        if cost <= room - costs:
+            resident += [(u.name, u.module) for u in group]
+            costs += cost
+    return resident, costs
+
+
+def _placements(engine: SlideEngine) -> list[UnitPlacement]:
+    # the modules on the device (a parameter shared by two of them counted once), then the streamed units
+    units, seen = [], set()
+    for name, m in engine.resident_named:
+        params = [p for p in m.parameters() if p not in seen]
+        seen.update(params)
+        trained = "gpu" if any(p.requires_grad for p in params) else "none"
+        units.append(UnitPlacement(name, sum(p.numel() for p in params), "gpu", trained))
+    return units + [
+        UnitPlacement(u.name, sum(p.numel() for p, o in zip(u.params, u.owner) if o is u), "stream",
+                      ("nvme" if engine.nvme_path else "cpu") if any(u.trainable) else "none")
+        for u in in_forward_order(engine.embedding, engine.blocks, engine.head, engine.leftovers)
+    ]  # fmt: skip
 
 
 def _resident_candidates(engine: SlideEngine) -> list[list[Unit]]:

@@ -277,9 +277,9 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             self._restores.append(disable_hf_cache(layout.pretrained))
         cuda = self.root_device.type == "cuda"
         dtype = self.precision_plugin.compute_dtype
-        half = dtype != torch.float32  # the kernel's Triton path is bf16/fp16
+        low_precision = dtype != torch.float32  # the kernel's Triton path is bf16/fp16
         if layout.pretrained is not None and (
-            self.attention in ("slide", "slide_kernel") or (self.attention == "auto" and cuda and half)
+            self.attention in ("slide", "slide_kernel") or (self.attention == "auto" and cuda and low_precision)
         ):
             required = self.attention != "auto"
             name = self.attention if required else "slide"

@@ -71,6 +71,7 @@ class Step:
     ) -> None:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
         self.resident = resident  # on the device: autograd leaves their gradients, the user's optimizer steps them
+        self._resident_set = set(resident)
         self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
         self.window, self.rows, self.activations = window, rows, activations
         self._forward_units = forward_units
@@ -159,9 +160,8 @@ class Step:
             for p in self.updates.pending:
                 p.grad = None
         self._check_resident()
-        resident = set(self.resident)
         stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]
-                 if p.grad is not None and p not in resident]  # fmt: skip
+                 if p.grad is not None and p not in self._resident_set]  # fmt: skip
         if stray:
             names = [self._names.get(p, f"a tensor of shape {tuple(p.shape)}") for p in stray]
             raise RuntimeError(
@@ -197,7 +197,7 @@ class Step:
             return self.plan.norm
         streamed = self.updates.global_norm(self._update_order_params())
         grads = self._resident_grads()
-        on_device = sum(float(n) ** 2 for n in torch._foreach_norm(grads, 2.0)) if grads else 0.0
+        on_device = torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum().item() if grads else 0.0
         return self._clip_by(math.sqrt(streamed**2 + on_device), value)
 
     def _clip_by(self, total: float, max_norm: float) -> float:
@@ -221,7 +221,7 @@ class Step:
         if self.plan.skip:
             for p in self.resident:
                 p.grad = None
-        elif not self.plan.norm_checked and not all(math.isfinite(float(n)) for n in torch._foreach_norm(grads, 2.0)):
+        elif not self.plan.norm_checked and not torch.stack(torch._foreach_norm(grads, 2.0)).isfinite().all().item():
             bad = next(p for p in self.resident if p.grad is not None and not torch.isfinite(p.grad).all())
             raise NonFiniteGradientError(nonfinite_message(self.plan.step, self._names.get(bad, "a parameter")))
 
