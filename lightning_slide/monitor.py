@@ -83,7 +83,8 @@ class SlideMonitor(L.Callback):
                 f"window: {engine.num_slots} slots for {len(engine.blocks)} blocks, update schedule"
                 f" '{engine.schedule}', {engine.device_bytes() / GIB:.2f} GiB of device weights and staging"
             )
-            lines.append(engine.host_plan().describe())
+        if (plan := getattr(strategy, "plan", None)) is not None:
+            lines += plan.table().splitlines()
         host_params = sum(p.numel() * p.element_size() for p in params) / GIB
         lines.append(f"host: {host_params:.2f} GiB of parameters, {_host_gib():.2f} GiB resident now")
         rank_zero_info("SlideFormer run\n  " + "\n  ".join(lines))

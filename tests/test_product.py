@@ -200,6 +200,7 @@ def test_monitor_logs_throughput_and_memory_and_prints_a_summary(caplog):
     assert "perf/mfu" not in metrics  # no GPU peak on the CPU
     assert "window: 2 slots for 4 blocks" in caplog.text
     assert "host memory plan: parameters (masters)" in caplog.text
+    assert "placement: stream (no device budget" in caplog.text  # the plan's table
 
 
 def test_lora_base_stored_in_bf16_loads_in_bf16_and_trains_within_the_bound(tmp_path):
