@@ -30,6 +30,7 @@ from .engine.planner import (
     fused_loss_bytes,
     plain_activation_bytes,
     plain_training_bytes,
+    state_per_fp32,
     usable_device_bytes,
     window_slots,
 )
@@ -256,7 +257,15 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
 
     engine, host = engine_and_host(0)
     saved = tokens * layout.embedding[1].embedding_dim * 4 if tokens and layout.embedding else 0  # fp32 residual
-    reserved = options.config.max_queued_grad_bytes
+    # beside the window and the blocks' inputs: gradients queued to leave, the kernels' reserve, the loss's workspace
+    reserved = options.config.max_queued_grad_bytes + DEVICE_RESERVE
+    if layout.causal_lm is not None and not logits_built and tokens:
+        head = layout.head[1]
+        reserved += fused_loss_bytes(tokens, head.out_features, head.in_features)
+    rows_on_device = engine.schedule == "forward" and options.config.device_row_update and optimizer is not None
+    if engine.embedding is not None and rows_on_device and tokens:
+        # at most a row per token: its gradient, value and optimizer state, updated on the device (embedding.py)
+        reserved += tokens * engine.embedding.params[0].shape[1] * 4 * (2 + state_per_fp32(optimizer))
     offloaded, planned = 0, None
     cuda = machine.device is not None and run.device.type == "cuda"  # "auto" offloads nothing on the CPU
     if saved and (options.offload_activations is True or (options.offload_activations == "auto" and cuda)):
@@ -268,11 +277,7 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         planned = (saved, offloaded, tiling)
         if offloaded:
             engine, host = engine_and_host(saved * offloaded)
-    device_bytes = engine.device_bytes() + reserved + DEVICE_RESERVE
-    device_bytes += saved * (len(engine.blocks) - offloaded + WORKING_INPUTS)
-    if layout.causal_lm is not None and not logits_built and tokens:
-        head = layout.head[1]
-        device_bytes += fused_loss_bytes(tokens, head.out_features, head.in_features)
+    device_bytes = engine.device_bytes() + reserved + saved * (len(engine.blocks) - offloaded + WORKING_INPUTS)
     # "norm-first" streams every update
     if options.placement == "auto" and machine.device is not None and engine.schedule != "norm-first":
         resident, costs = _gpu_tier(run, engine, usable_device_bytes(machine.device) - device_bytes)

@@ -86,7 +86,7 @@ def plan_host(
     # frozen: no state, no grads; parameters of no unit (resident on the device): nothing on the host
     trainable = {p for group in groups for p in group["params"] if p.requires_grad} & set(params)
     trainable_bytes = sum(p.numel() * 4 for p in trainable)
-    per = _state_per_fp32(optimizer) if optimizer is not None else 0
+    per = state_per_fp32(optimizer) if optimizer is not None else 0
     state = trainable_bytes * per
     disk = 0
     if state_block_numel is not None:
@@ -102,8 +102,8 @@ def plan_host(
     return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk, activations)
 
 
-def _state_per_fp32(optimizer: torch.optim.Optimizer) -> int:
-    # state tensors per parameter, each the size of an fp32 parameter
+def state_per_fp32(optimizer: torch.optim.Optimizer) -> int:
+    """State tensors per parameter, each the size of an fp32 parameter."""
     groups = optimizer.param_groups
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if any(g.get("momentum") for g in groups) else 0
@@ -235,7 +235,7 @@ def plain_training_bytes(
         return weights + copies
     trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad} & set(params)
     grads = sum(p.numel() * sizes.get(p, p.element_size()) for p in trainable)
-    return weights + copies + grads * (2 + _state_per_fp32(optimizer))
+    return weights + copies + grads * (2 + state_per_fp32(optimizer))
 
 
 def usable_device_bytes(budget: int) -> int:
