@@ -258,10 +258,7 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
     engine, host = engine_and_host(0)
     saved = tokens * layout.embedding[1].embedding_dim * 4 if tokens and layout.embedding else 0  # fp32 residual
     # beside the window and the blocks' inputs: gradients queued to leave, the kernels' reserve, the loss's workspace
-    reserved = options.config.max_queued_grad_bytes + DEVICE_RESERVE
-    if layout.causal_lm is not None and not logits_built and tokens:
-        head = layout.head[1]
-        reserved += fused_loss_bytes(tokens, head.out_features, head.in_features)
+    reserved = options.config.max_queued_grad_bytes + DEVICE_RESERVE + _loss_bytes(layout, tokens, logits_built)
     rows_on_device = engine.schedule == "forward" and options.config.device_row_update and optimizer is not None
     if engine.embedding is not None and rows_on_device and tokens:
         # at most a row per token: its gradient, value and optimizer state, updated on the device (embedding.py)
@@ -453,8 +450,7 @@ def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: 
     blocks = [m for _, m in layout.blocks]
     head = _head(module, layout)
     per_token = plain_activation_bytes(blocks, dtype.itemsize, head.out_features if logits_built and head else 0)
-    if not logits_built and head is not None:
-        fixed += fused_loss_bytes(tokens, head.out_features, head.in_features)
+    fixed += _loss_bytes(layout, tokens, logits_built)
     need = fixed + int(tokens * per_token)
     room = usable_device_bytes(budget) - fixed
     if need > usable_device_bytes(budget):
@@ -462,6 +458,14 @@ def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: 
         return Tier(False, reason, tokens)
     most = int(room // per_token) if per_token else None
     return Tier(True, f"{need / GIB:.2f} GiB of the {budget / GIB:.2f} GiB budget", tokens, need, most)
+
+
+def _loss_bytes(layout: Layout, tokens: int | None, logits_built: bool) -> int:
+    # the installed logits-free loss's workspace (the model's own loss: its logits count as activations)
+    if logits_built or not tokens or layout.head is None:
+        return 0
+    head = layout.head[1]
+    return fused_loss_bytes(tokens, head.out_features, head.in_features)
 
 
 def _head(module: nn.Module, layout: Layout) -> nn.Linear | None:
