@@ -30,8 +30,6 @@ import traceback
 from collections import Counter
 from contextlib import contextmanager
 
-# NOTE: before torch touches CUDA. Without it, the 64k run's 24 GiB cap lost 7.5 GiB to cached, fragmented blocks.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import time
 
 import torch
@@ -58,7 +56,7 @@ def io_bytes() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_gib: float) -> dict:
+def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_gib: float, clip: float | None) -> dict:
     """Fit ``module`` for warmup + steps on random tokens; the median step's figures."""
     import lightning as L
     from torch.utils.data import DataLoader
@@ -90,7 +88,8 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
     reset_peak_rss()
     start = time.perf_counter()
     trainer = L.Trainer(
-        strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps, logger=False, callbacks=[Clock()],
+        strategy=strategy, precision="bf16-mixed", max_steps=warmup + steps, gradient_clip_val=clip, logger=False,
+        callbacks=[Clock()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=None))
@@ -173,6 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
+    parser.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--long-seq", type=int, default=65536, help="8b-64k: the sequence length")
     parser.add_argument("--nvme-path", default="slide-nvme")
     parser.add_argument("--out", default="benchmarks/results/memory.csv")
@@ -193,7 +193,7 @@ def main() -> None:
     def record(name: str, batch: int, seq: int, module, strategy, note: str = "") -> None:
         try:
             with fast_random_init():
-                result = train(module, strategy, batch, seq, args.steps, args.warmup, args.gpu_cap_gib)
+                result = train(module, strategy, batch, seq, args.steps, args.warmup, args.gpu_cap_gib, args.clip)
         except Exception as err:  # keep what was measured; say what failed
             traceback.print_exc()
             if isinstance(err, torch.OutOfMemoryError):
@@ -204,7 +204,7 @@ def main() -> None:
             module._trainer = None  # it holds the optimizer and its state: the next run starts without them
             gc.collect()  # the trainer's reference cycles
         params = sum(p.numel() for p in module.parameters())
-        row = {**common, "case": name, "params": params, "batch": batch, "seq": seq, "note": note, **result}
+        row = {**common, "case": name, "clip": args.clip or "none", "params": params, "batch": batch, "seq": seq, "note": note, **result}
         if "host_peak_gib" in row:
             row["host_b_per_param"] = row["host_peak_gib"] * GIB / params
             if "full" in name:
