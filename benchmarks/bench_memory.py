@@ -26,11 +26,10 @@ import argparse
 import gc
 import logging
 import os
+import time
 import traceback
 from collections import Counter
 from contextlib import contextmanager
-
-import time
 
 import torch
 from bench_core import GIB, cap_gpu, peak_rss, reset_peak_rss
@@ -204,7 +203,8 @@ def main() -> None:
             module._trainer = None  # it holds the optimizer and its state: the next run starts without them
             gc.collect()  # the trainer's reference cycles
         params = sum(p.numel() for p in module.parameters())
-        row = {**common, "case": name, "clip": args.clip or "none", "params": params, "batch": batch, "seq": seq, "note": note, **result}
+        row = {**common, "case": name, "clip": args.clip or "none", "params": params, "batch": batch, "seq": seq,
+               "note": note, **result}  # fmt: skip
         if "host_peak_gib" in row:
             row["host_b_per_param"] = row["host_peak_gib"] * GIB / params
             if "full" in name:

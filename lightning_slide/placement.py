@@ -257,55 +257,88 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
 
     engine, host = engine_and_host(0)
     saved = tokens * layout.embedding[1].embedding_dim * 4 if tokens and layout.embedding else 0  # fp32 residual
-    # beside the window and the blocks' inputs: gradients queued to leave, the kernels' reserve, the loss's workspace
-    reserved = options.config.max_queued_grad_bytes + DEVICE_RESERVE + _loss_bytes(layout, tokens, logits_built)
+    loss, queue, working = (
+        _loss_bytes(layout, tokens, logits_built),
+        options.config.max_queued_grad_bytes,
+        WORKING_INPUTS * saved,
+    )
+    rows = 0
     rows_on_device = engine.schedule == "forward" and options.config.device_row_update and optimizer is not None
     if engine.embedding is not None and rows_on_device and tokens:
         # at most a row per token: its gradient, value and optimizer state, updated on the device (embedding.py)
-        reserved += tokens * engine.embedding.params[0].shape[1] * 4 * (2 + state_per_fp32(optimizer))
+        rows = tokens * engine.embedding.params[0].shape[1] * 4 * (2 + state_per_fp32(optimizer))
     offloaded, planned = 0, None
     cuda = machine.device is not None and run.device.type == "cuda"  # "auto" offloads nothing on the CPU
     if saved and (options.offload_activations is True or (options.offload_activations == "auto" and cuda)):
         room = machine.device - engine.device_bytes() if machine.device is not None else None
         asked = len(engine.blocks) if options.offload_activations is True else None
         can_tile = any(gated_mlp(u.module) is not None for u in engine.blocks)
+        # beside the kept inputs and one block at work: the loss's workspace where it is larger, else the queue
+        reserved = DEVICE_RESERVE + max(queue, loss - working)
         offloaded, tiling = plan_offload(saved, blocks=len(engine.blocks), offloading=asked, budget=room,
                                          reserved=reserved, can_tile=can_tile)  # fmt: skip
         planned = (saved, offloaded, tiling)
         if offloaded:
             engine, host = engine_and_host(saved * offloaded)
-    device_bytes = engine.device_bytes() + reserved + saved * (len(engine.blocks) - offloaded + WORKING_INPUTS)
+    kept = saved * (len(layout.blocks) - offloaded)
+
+    def peaks(engine: SlideEngine) -> DevicePeaks:
+        fixed = engine.device_bytes() + DEVICE_RESERVE
+        return DevicePeaks(fixed + kept + loss, fixed + kept + working + queue, fixed + queue + rows)
+
+    device = peaks(engine)
     # "norm-first" streams every update
     if options.placement == "auto" and machine.device is not None and engine.schedule != "norm-first":
-        resident, costs = _gpu_tier(run, engine, usable_device_bytes(machine.device) - device_bytes)
+        resident: list[tuple[str, nn.Module]] = []
+        held = DevicePeaks(0, 0, 0)
+        for group in _resident_candidates(engine):
+            trial, _ = engine_and_host(saved * offloaded, resident + [(u.name, u.module) for u in group])
+            cost = _resident_peaks(run, group)
+            if (peaks(trial) + held + cost).peak > usable_device_bytes(machine.device):
+                if group[0] in engine.blocks:
+                    break  # the next blocks are no smaller
+                continue
+            resident += [(u.name, u.module) for u in group]
+            held += cost
         if resident:
             engine, host = engine_and_host(saved * offloaded, resident)
-            device_bytes += costs
+            device = peaks(engine) + held
     engine.planned = planned
     units = _placements(engine)
-    plan = Plan(tier, engine.schedule, units, device_bytes, host, offloaded, engine=engine)
+    plan = Plan(tier, engine.schedule, units, device.peak, host, offloaded, engine=engine)
     if work is not None:  # the CPU steps, and the weights that travel, are the streamed units' only
-        kept = sum(u.params for u in units if u.weights == "gpu")
+        kept_params = sum(u.params for u in units if u.weights == "gpu")
         trained = sum(p.numel() for p in engine.streamed_trainable()) if engine.optimizer is not None else 0
-        work = replace(work, streamed=work.streamed - kept, trained=trained, disk_state_bytes=2 * host.disk)
+        work = replace(work, streamed=work.streamed - kept_params, trained=trained, disk_state_bytes=2 * host.disk)
         plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
     return plan
 
 
-def _gpu_tier(run: Run, engine: SlideEngine, room: int) -> tuple[list[tuple[str, nn.Module]], int]:
-    # the modules that stay on the device within ``room`` bytes (``_resident_candidates``, in order), and their bytes
-    if run.optimizer is None:
-        return [], 0
+@dataclass(frozen=True)
+class DevicePeaks:
+    """Device bytes of a streamed step at its three peaks: at the loss (every kept block input, the loss's workspace),
+    with one block at work in backward (the kept inputs, its working memory, the gradients queued to leave) and in
+    the update (the activations freed)."""
+
+    loss: int
+    backward: int
+    update: int
+
+    def __add__(self, other: DevicePeaks) -> DevicePeaks:
+        return DevicePeaks(self.loss + other.loss, self.backward + other.backward, self.update + other.update)
+
+    @property
+    def peak(self) -> int:
+        return max(self.loss, self.backward, self.update)
+
+
+def _resident_peaks(run: Run, group: list[Unit]) -> DevicePeaks:
+    # a group kept on the device: autocast's copies through the forward, the optimizer's temporaries in the update
+    params = list(dict.fromkeys(p for u in group for p in u.params))
     copies = run.dtype.itemsize if run.dtype != torch.float32 else 0
-    resident, costs = [], 0
-    for group in _resident_candidates(engine):
-        params = list(dict.fromkeys(p for u in group for p in u.params))
-        cost = plain_training_bytes(params, run.optimizer, copies_itemsize=copies, stored=run.stored)
-        if cost <= room - costs:
-            resident += [(u.name, u.module) for u in group]
-            costs += cost
-    return resident, costs
+    cost = plain_training_bytes(params, run.optimizer, copies_itemsize=copies, stored=run.stored)
+    return DevicePeaks(cost.held + cost.copies, cost.held, cost.held + cost.temporaries)
 
 
 def _placements(engine: SlideEngine) -> list[UnitPlacement]:
@@ -446,7 +479,7 @@ def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: 
         return Tier(False, "the tokens per batch are unknown (SlideFormerStrategy(tokens_per_batch=...))")
     params = list(dict.fromkeys(module.parameters()))
     copies = dtype.itemsize if dtype != torch.float32 else 0
-    fixed = plain_training_bytes(params, optimizer, copies_itemsize=copies, stored=run.stored) + DEVICE_RESERVE
+    fixed = plain_training_bytes(params, optimizer, copies_itemsize=copies, stored=run.stored).total + DEVICE_RESERVE
     blocks = [m for _, m in layout.blocks]
     head = _head(module, layout)
     per_token = plain_activation_bytes(blocks, dtype.itemsize, head.out_features if logits_built and head else 0)

@@ -217,25 +217,39 @@ def fused_loss_bytes(tokens: int, vocab: int, hidden: int) -> int:
     return 2 * min(tokens * vocab, chunk) + (4 * (vocab + tokens) * hidden if one_pass else 0)
 
 
+@dataclass(frozen=True)
+class TrainingBytes:
+    """Device bytes of parameters trained on the device (``plain_training_bytes``), by when they are held."""
+
+    held: int  # the parameters as stored, their gradients and the optimizer's state: all step long
+    copies: int  # the compute-dtype copies autocast makes of the matrices: through the forward
+    temporaries: int  # the optimizer step's: while it runs
+
+    @property
+    def total(self) -> int:
+        return self.held + self.copies + self.temporaries
+
+
 def plain_training_bytes(
     params: list[nn.Parameter],
     optimizer: torch.optim.Optimizer | None,
     *,
     copies_itemsize: int,
     stored: dict[nn.Parameter, int] | None = None,
-) -> int:
+) -> TrainingBytes:
     """Device bytes of ``params`` trained on the device (activations apart): each parameter as stored, the
     compute-dtype copies autocast makes of the matrices (``copies_itemsize``; 0 under fp32), and for each trainable
-    one its gradient, the optimizer's state and as much again for the step's temporaries (torch's foreach
-    implementations)."""
+    one its gradient, the optimizer's state and, unless the optimizer is fused, as much again as the gradients for the
+    step's temporaries (torch's foreach implementations)."""
     sizes = stored or {}
     weights = sum(p.numel() * sizes.get(p, p.element_size()) for p in params)
     copies = sum(p.numel() * copies_itemsize for p in params if p.dim() >= 2)
     if optimizer is None:
-        return weights + copies
+        return TrainingBytes(weights, copies, 0)
     trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad} & set(params)
     grads = sum(p.numel() * sizes.get(p, p.element_size()) for p in trainable)
-    return weights + copies + grads * (2 + state_per_fp32(optimizer))
+    fused = all(g.get("fused") for g in optimizer.param_groups)
+    return TrainingBytes(weights + grads * (1 + state_per_fp32(optimizer)), copies, 0 if fused else grads)
 
 
 def usable_device_bytes(budget: int) -> int:
