@@ -322,7 +322,8 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         log.info("SlideFormer streams the model (%s); %s", self.tier.reason, self.plan.host.describe())
         if self.plan.error is not None:
             raise self.plan.error
-        self._convert(frozen, widen, half, dtype)  # after every check, before pinning
+        disk = set(self.engine.disk_masters)  # their exact fp32 masters go straight to disk at setup
+        self._convert(frozen, [p for p in widen if p not in disk], half, dtype)  # after every check, before pinning
         if cuda and dtype == torch.float32:
             log.info(
                 "SlideFormer computes in fp32 (precision='32-true', Lightning's default): Trainer(precision="

@@ -361,9 +361,18 @@ def test_a_model_loaded_in_bf16_gets_exact_fp32_masters_and_resumes_exactly(tmp_
 
     exact, loaded = _in_bf16(CausalLM(tiny_config("llama")))
     (tmp_path / "nvme").mkdir()
+    seen = {}
+
+    class Look(L.Callback):
+        def on_train_start(self, trainer, module):
+            seen["planned"] = trainer.strategy.plan.host.masters
+            seen["ram"] = sum(p.numel() * p.element_size() for p in module.parameters())
+
     ram, _ = fit(exact, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", steps=8)
-    disk, _ = fit(loaded, _masters_strategy(tmp_path / "nvme"), precision="bf16-mixed", steps=8)
+    disk, _ = fit(loaded, _masters_strategy(tmp_path / "nvme"), precision="bf16-mixed", steps=8, callbacks=[Look()])
     assert all(torch.equal(disk[k], ram[k]) for k in ram)
+    # the block matrices stay bf16 in RAM (their fp32 masters are written to disk, never widened in RAM first)
+    assert seen["planned"] == seen["ram"] < sum(p.numel() * 4 for p in loaded.parameters())
 
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4)
     fit(loaded, _masters_strategy(tmp_path / "nvme"), precision="bf16-mixed", steps=4, enable_checkpointing=True,

@@ -249,7 +249,7 @@ class SlideEngine:
             compact_grads=self.compact_grads(),
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
-            frozen_bytes_per_element={**dict.fromkeys(self.disk_masters, copy_size), **(stored_sizes or {})},
+            frozen_bytes_per_element={**(stored_sizes or {}), **dict.fromkeys(self.disk_masters, copy_size)},
             state_block_numel=self.chunk_numel if self.nvme_path is not None else None,
             read_ahead_bytes=self.config.nvme_read_ahead_bytes,
             disk_masters=self.disk_masters,
