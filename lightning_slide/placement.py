@@ -23,6 +23,7 @@ from .engine.activations import plan_offload
 from .engine.planner import (
     DEVICE_RESERVE,
     GIB,
+    TILED_WORKING_INPUTS,
     WORKING_INPUTS,
     HostPlan,
     check_host,
@@ -278,6 +279,7 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         offloaded, tiling = plan_offload(saved, blocks=len(engine.blocks), offloading=asked, budget=room,
                                          reserved=reserved, can_tile=can_tile)  # fmt: skip
         planned = (saved, offloaded, tiling)
+        working = (TILED_WORKING_INPUTS if tiling else WORKING_INPUTS) * saved
         if offloaded:
             engine, host = engine_and_host(saved * offloaded)
     kept = saved * (len(layout.blocks) - offloaded)
@@ -312,6 +314,8 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         work = replace(work, streamed=work.streamed - kept_params, trained=trained, disk_state_bytes=2 * host.disk)
         plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
+    if plan.error is None and cuda and device.peak > machine.device:
+        plan.error = _device_shortfall(device.peak, machine.device, tokens, offloaded == len(layout.blocks))
     return plan
 
 
@@ -378,6 +382,19 @@ def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Excepti
     except (MemoryError, OSError, torch.OutOfMemoryError) as err:
         return err
     return None
+
+
+def _device_shortfall(peak: int, budget: int, tokens: int | None, all_offloaded: bool) -> torch.OutOfMemoryError:
+    # the plan's device peak beyond the budget
+    fix = "lower the tokens per micro-batch (batch size or sequence length; accumulate_grad_batches keeps the tokens"
+    fix += " per optimizer step)"
+    if not all_offloaded:
+        fix = f"keep every block's input in RAM (SlideFormerStrategy(offload_activations=True)), or {fix}"
+    return torch.OutOfMemoryError(
+        f"SlideFormer's plan needs {peak / GIB:.2f} GiB of device memory at {tokens} tokens per batch (the window, the"
+        f" kept block inputs, one block at work and the loss), {(peak - budget) / GIB:.2f} GiB more than the"
+        f" {budget / GIB:.2f} GiB it may use: {fix}."
+    )
 
 
 def _layout_units(module: nn.Module, layout: Layout) -> list[tuple[str, int, bool]]:
@@ -472,9 +489,11 @@ def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: 
         run.options.placement, run.layout, run.module, run.optimizer, run.dtype
     )  # fmt: skip
     if placement == "stream":
-        return Tier(False, "placement='stream'")
+        return Tier(False, "placement='stream'", tokens)
     if budget is None:
-        return Tier(False, "no device budget (on the CPU, SlideFormerStrategy(device_memory_gib=...) gives one)")
+        return Tier(
+            False, "no device budget (on the CPU, SlideFormerStrategy(device_memory_gib=...) gives one)", tokens
+        )
     if tokens is None:
         return Tier(False, "the tokens per batch are unknown (SlideFormerStrategy(tokens_per_batch=...))")
     params = list(dict.fromkeys(module.parameters()))

@@ -114,3 +114,17 @@ def test_an_nvme_recipe_without_a_disk_does_not_fit_and_says_so(capsys, config_d
     status, out = _run(capsys, [*args, "--nvme-free", "500", "--json"])
     assert status == 0
     assert {u["optimizer"] for u in json.loads(out)["units"]} == {"nvme"}
+
+
+def test_activations_beyond_the_gpu_stop_with_the_shortfall_or_are_offloaded(capsys, config_dir):
+    args = [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision", "bf16-mixed",
+            "--data.seq_len", "4096", "--data.batch_size", "8", "--gpu-memory", "9", "--host-memory", "64"]  # fmt: skip
+    status, out = _run(capsys, [*args, "--trainer.strategy.init_args.offload_activations", "false"])
+    assert status == 1
+    assert "of device memory at 32768 tokens per batch" in out
+    assert "GiB more than the 8.50 GiB it may use: keep every block's input in RAM" in out
+    status, out = _run(capsys, [*args, "--json"])  # "auto": the first blocks' inputs go to RAM instead
+    result = json.loads(out)
+    assert status == 0
+    assert 0 < result["offloaded_blocks"] < 16
+    assert result["gpu_bytes"] <= 8.5 * 2**30

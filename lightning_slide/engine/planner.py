@@ -144,6 +144,9 @@ def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: i
 # gradients), its input and the next one's fetched ahead, and the gradient flowing in. Fitted to the Llama-3.1-8B
 # shape at 32k tokens (benchmarks/NOTES.md, "Activation memory").
 WORKING_INPUTS = 19
+# The same with the MLP on slices of the tokens (tiling.py): fitted to the Llama-3.1-8B shape at 64k tokens with every
+# input offloaded, 18.3 GiB allocated (benchmarks/NOTES.md, "The GPU tier measured").
+TILED_WORKING_INPUTS = 15
 _DEVICE_MARGIN = 0.95  # of the budget: the allocator's rounding and fragmentation
 
 
@@ -238,12 +241,14 @@ def plain_training_bytes(
     stored: dict[nn.Parameter, int] | None = None,
 ) -> TrainingBytes:
     """Device bytes of ``params`` trained on the device (activations apart): each parameter as stored, the
-    compute-dtype copies autocast makes of the matrices (``copies_itemsize``; 0 under fp32), and for each trainable
+    compute-dtype copies autocast makes of the wider matrices (``copies_itemsize``; 0 under fp32), and for each trainable
     one its gradient, the optimizer's state and, unless the optimizer is fused, as much again as the gradients for the
     step's temporaries (torch's foreach implementations)."""
     sizes = stored or {}
     weights = sum(p.numel() * sizes.get(p, p.element_size()) for p in params)
-    copies = sum(p.numel() * copies_itemsize for p in params if p.dim() >= 2)
+    copies = sum(
+        p.numel() * copies_itemsize for p in params if p.dim() >= 2 and sizes.get(p, p.element_size()) > copies_itemsize
+    )
     if optimizer is None:
         return TrainingBytes(weights, copies, 0)
     trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad} & set(params)
