@@ -9,8 +9,10 @@ maps the copies and checks each chunk's CRC before the state goes back into the 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+import stat
 import zlib
 from pathlib import Path
 from typing import Any
@@ -85,10 +87,10 @@ def _load(path: Path, weights_only: bool, *, optimizer_state: bool) -> dict:
     file = path / CHECKPOINT_FILE if path.is_dir() else path
     checkpoint = torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
     maps: dict[str, torch.Tensor] = {}
-    for container in _containers(checkpoint, optimizer_state=optimizer_state):
+    for where, container in _containers(checkpoint, optimizer_state=optimizer_state):
         for key, value in container.items():
             if _is_reference(value):
-                container[key] = _resolve(value, path / STATE_DIR, maps)
+                container[key] = _resolve(value, path, f"{where}[{key!r}]", maps)
     return checkpoint
 
 
@@ -124,10 +126,14 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _containers(checkpoint: dict, *, optimizer_state: bool = True) -> list[dict]:
-    # the dicts whose values may be references into state files: the weights, and each parameter's optimizer state
-    states = [s for opt in checkpoint.get("optimizer_states", []) for s in opt.get("state", {}).values()]
-    return [checkpoint.get("state_dict", {})] + (states if optimizer_state else [])
+def _containers(checkpoint: dict, *, optimizer_state: bool = True) -> list[tuple[str, dict]]:
+    # the dicts whose values may be references into state files, each with where it is in the checkpoint: the
+    # weights, and each parameter's optimizer state
+    containers = [("state_dict", checkpoint.get("state_dict", {}))]
+    if optimizer_state:
+        for o, opt in enumerate(checkpoint.get("optimizer_states", [])):
+            containers += [(f"optimizer_states[{o}]['state'][{i}]", s) for i, s in opt.get("state", {}).items()]
+    return containers
 
 
 def _is_reference(value: Any) -> bool:
@@ -135,12 +141,13 @@ def _is_reference(value: Any) -> bool:
 
 
 def _references(checkpoint: dict) -> bool:
-    return any(_is_reference(v) for container in _containers(checkpoint) for v in container.values())
+    return any(_is_reference(v) for _, container in _containers(checkpoint) for v in container.values())
 
 
-def _resolve(ref: dict, state_dir: Path, maps: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The tensor a state reference points to: a view of a read-only map of the copied file, its CRCs checked."""
-    file = state_dir / ref["nvme_state_file"]
+def _resolve(ref: dict, path: Path, where: str, maps: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor a state reference points to: a view of a read-only map of the copied file in the checkpoint's own
+    ``state/`` folder, every block's CRC checked (a block never written, ``None``, must be zeros)."""
+    file = _state_file(ref, path, where)
     start, nbytes = ref["offset"], ref["nbytes"]
     if file.name not in maps:
         size = file.stat().st_size if file.is_file() else 0
@@ -151,11 +158,42 @@ def _resolve(ref: dict, state_dir: Path, maps: dict[str, torch.Tensor]) -> torch
             )
         maps[file.name] = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
     raw = maps[file.name][start : start + nbytes]
-    chunk = ref["chunk_bytes"]  # a block never written is zeros in the file, and has no CRC
-    if any(crc is not None and zlib.crc32(raw[i * chunk : (i + 1) * chunk].numpy()) != crc
-           for i, crc in enumerate(ref["crcs"])):  # fmt: skip
-        raise NvmeStateError(
-            f"State in {file} (bytes {start}..{start + nbytes}) of this checkpoint is corrupt (checksum"
-            " mismatch). Resume from another checkpoint."
-        )
+    chunk = ref["chunk_bytes"]
+    for i, crc in enumerate(ref["crcs"]):
+        block = raw[i * chunk : (i + 1) * chunk]
+        if bool(block.any()) if crc is None else zlib.crc32(block.numpy()) != crc:
+            raise NvmeStateError(
+                f"State in {file} (bytes {start}..{start + nbytes}) of this checkpoint is corrupt (checksum"
+                " mismatch). Resume from another checkpoint."
+            )
     return raw.view(torch.float32).view(ref["shape"])
+
+
+def _state_file(ref: dict, path: Path, where: str) -> Path:
+    # the regular file inside ``path``'s state/ folder that a well-formed reference names; anything else is refused
+    def refuse(why: str) -> ValueError:
+        return ValueError(
+            f"Checkpoint {str(path)!r} holds a state reference at {where} that {why}; nothing was loaded. A checkpoint"
+            f" written by lightning-slide references only files of its own {STATE_DIR}/ folder, each block with its"
+            " checksum: this one was altered or crafted. Resume from another checkpoint."
+        )
+
+    name, shape, chunk, crcs = ref.get("nvme_state_file"), ref.get("shape"), ref.get("chunk_bytes"), ref.get("crcs")
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise refuse(f"names {name!r}, not a file name")
+    if not (isinstance(shape, list) and all(_natural(n) for n in shape) and all(_natural(ref.get(k)) for k in
+            ("offset", "nbytes", "chunk_bytes")) and chunk > 0 and isinstance(crcs, list)):  # fmt: skip
+        raise refuse("is malformed (offset, nbytes, shape, chunk_bytes, crcs)")
+    if ref["nbytes"] != 4 * math.prod(shape):
+        raise refuse(f"gives {ref['nbytes']} bytes for an fp32 tensor of shape {shape}")
+    if len(crcs) != -(-ref["nbytes"] // chunk) or not all(c is None or _natural(c) for c in crcs):
+        raise refuse("does not carry one checksum per block")
+    folder = path / STATE_DIR
+    file = folder / name
+    if folder.is_symlink() or file.is_symlink() or (file.exists() and not stat.S_ISREG(file.lstat().st_mode)):
+        raise refuse(f"names {name!r}, which is a link or not a regular file")
+    return file
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

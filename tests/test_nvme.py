@@ -394,3 +394,54 @@ def test_nvme_masters_need_the_nvme_tier_and_bf16(tmp_path):
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):
         fit(CausalLM(tiny_config("llama")), _masters_strategy(tmp_path))  # 32-true
     assert list(tmp_path.iterdir()) == []  # refused before a file was made
+
+
+def _crafted(ckpt, change):
+    # ``ckpt``'s checkpoint.pt with its first optimizer-state reference changed by ``change``
+    file = ckpt / "checkpoint.pt"
+    raw = torch.load(file, weights_only=True)
+    ref = raw["optimizer_states"][0]["state"][0]["exp_avg"]
+    change(ref)
+    torch.save(raw, file)
+    return ref
+
+
+@pytest.mark.parametrize("craft", ["absolute", "parent", "symlink", "no checksum", "none is not zeros", "malformed"])
+def test_a_crafted_state_reference_is_refused_and_reads_nothing_outside(tmp_path, craft):
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    last = ckpt / "last.ckpt"
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"\x01" * (1 << 20))
+    state = last / "state"
+    first = sorted(state.iterdir())[0].name
+    changes = {
+        "absolute": lambda ref: ref.update(nvme_state_file=str(outside), crcs=[None] * len(ref["crcs"])),
+        "parent": lambda ref: ref.update(nvme_state_file="../../../secret.bin"),
+        "symlink": lambda ref: ref.update(nvme_state_file="link.bin"),
+        "no checksum": lambda ref: ref.update(crcs=[]),
+        "none is not zeros": lambda ref: ref.update(nvme_state_file=first, offset=0, crcs=[None] * len(ref["crcs"])),
+        "malformed": lambda ref: ref.update(offset=-4096),
+    }
+    (state / "link.bin").symlink_to(outside)
+    _crafted(last, changes[craft])
+    error = NvmeStateError if craft == "none is not zeros" else ValueError
+    where = r"optimizer_states\[0\]\['state'\]\[0\]\['exp_avg'\]"
+    match = "corrupt" if craft == "none is not zeros" else rf"Checkpoint '{last}' holds a state reference at {where}"
+    with pytest.raises(error, match=match):
+        SlideCheckpointIO().load_checkpoint(last)
+    strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path / "nvme"))
+    with pytest.raises(error, match=match):
+        fit(CausalLM(tiny_config("llama")), strategy, steps=6, ckpt_path=str(last))
+
+
+def test_a_crafted_weight_reference_is_refused_by_export_loads(tmp_path):
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    last = ckpt / "last.ckpt"
+    file = last / "checkpoint.pt"
+    raw = torch.load(file, weights_only=True)
+    name = "model.model.norm.weight"
+    ref = {**raw["optimizer_states"][0]["state"][0]["exp_avg"], "nvme_state_file": "/etc/hostname"}
+    raw["state_dict"][name] = ref
+    torch.save(raw, file)
+    with pytest.raises(ValueError, match=rf"state_dict\['{name}'\] that names '/etc/hostname', not a file name"):
+        SlideCheckpointIO.load_weights(last)
