@@ -62,8 +62,13 @@ def builtin_documents(n: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """Documents from a JSONL file; each line needs ``text`` (a string) or ``messages`` (a list of turns)."""
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                byte = raw[err.start : err.start + 1]
+                raise ValueError(f"{path}, line {number}: not UTF-8 (byte {err.start}: {byte!r}).") from None
             if not line.strip():
                 continue
             try:
@@ -77,10 +82,22 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
                     f"{path}, line {number}: each line needs a 'text' string or a 'messages' list of"
                     " {'role', 'content'} turns."
                 )
+            if "text" not in doc and (bad := _bad_turn(doc["messages"])) is not None:
+                raise ValueError(
+                    f"{path}, line {number}: turn {bad} of 'messages' is not a {{'role': str, 'content': str}} object."
+                )
             docs.append(doc)
     if not docs:
         raise ValueError(f"{path} holds no documents.")
     return docs
+
+
+def _bad_turn(messages: list) -> int | None:
+    # the index of the first turn without a string role and content
+    for i, turn in enumerate(messages):
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            return i
+    return None
 
 
 def tokenize(doc: dict[str, Any], tokenizer) -> tuple[list[int], list[bool]]:
@@ -262,6 +279,11 @@ class TextDataModule(L.LightningDataModule):
         random.Random(self.seed).shuffle(order)
         n_val = round(len(docs) * self.val_fraction) if self.val_fraction else 0
         n_val = max(n_val, 1) if self.val_fraction and len(docs) > 1 else n_val
+        if n_val >= len(docs):
+            raise ValueError(
+                f"val_fraction={self.val_fraction} holds out {n_val} of the {len(docs)} documents, leaving none to"
+                " train on: lower val_fraction (0 turns validation off) or add documents."
+            )
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
         def rows(indices):

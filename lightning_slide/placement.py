@@ -81,6 +81,11 @@ def resolve_schedule(update_schedule: str, on_nonfinite: str, trainer: Any, modu
             "on_nonfinite='skip' needs the global gradient norm before any update: set"
             " Trainer(gradient_clip_val=...) or use on_nonfinite='raise'."
         )
+    if on_nonfinite == "skip" and (trainer.gradient_clip_algorithm or "norm") != "norm":
+        raise ValueError(
+            "on_nonfinite='skip' decides from the global gradient norm, which clipping by value does not compute:"
+            " clip by norm (Trainer(gradient_clip_algorithm='norm'), the default) or use on_nonfinite='raise'."
+        )
     return schedule
 
 

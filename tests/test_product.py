@@ -325,13 +325,23 @@ def test_jsonl_text_and_messages(tmp_path):
     [
         ('{"text": "fine"}\n{"prompt": "no text"}\n', r"line 2: each line needs a 'text' string or a 'messages'"),
         ('{"text": "fine"}\n\n{"text": broken\n', r"line 3: not valid JSON"),
+        (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"line 2: not UTF-8 \(byte 13: b'\\xe9'\)"),
+        ('{"messages": [{"role": "user", "content": "hi"}, {"content": "?"}]}\n', r"line 1: turn 1 of 'messages'"),
+        ('{"text": "fine"}\n{"messages": ["just a string"]}\n', r"line 2: turn 0 of 'messages' is not a"),
     ],
 )
 def test_bad_jsonl_names_the_line(tmp_path, content, match):
     path = tmp_path / "bad.jsonl"
-    path.write_text(content)
-    with pytest.raises(ValueError, match=match):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=rf"{path}, {match}"):
         TextDataModule(path=str(path)).setup("fit")
+
+
+def test_a_validation_split_that_leaves_nothing_to_train_is_refused(tmp_path):
+    path = tmp_path / "few.jsonl"
+    path.write_text('{"text": "one"}\n{"text": "two"}\n')
+    with pytest.raises(ValueError, match=r"val_fraction=0.9 holds out 2 of the 2 documents, leaving none to train"):
+        TextDataModule(path=str(path), val_fraction=0.9).setup("fit")
 
 
 # ---- the command and its recipes -----------------------------------------------------------------------------------

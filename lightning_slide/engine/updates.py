@@ -38,7 +38,7 @@ def nonfinite_message(step: int, name: str) -> str:
     return (
         f"Non-finite gradient (NaN or Inf) at optimizer step {step} in '{name}'; it was not applied and training"
         " stops here. Lower the learning rate, check the data of this step, or enable gradient clipping"
-        " (with clipping, SlideFormerStrategy(on_nonfinite='skip') skips such steps instead)."
+        " (with clipping by norm, SlideFormerStrategy(on_nonfinite='skip') skips such steps instead)."
     )
 
 
