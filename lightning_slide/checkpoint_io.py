@@ -9,6 +9,7 @@ maps the copies and checks each chunk's CRC before the state goes back into the 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
@@ -25,6 +26,9 @@ from .engine.nvme import NvmeStateError
 
 CHECKPOINT_FILE = "checkpoint.pt"  # inside a checkpoint directory
 STATE_DIR = "state"
+PARTIAL, OLD = ".partial", ".old"  # a save in progress; the checkpoint it replaces, while it does
+
+log = logging.getLogger(__name__)
 
 
 class SlideCheckpointIO(TorchCheckpointIO):
@@ -48,15 +52,18 @@ class SlideCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"SlideCheckpointIO takes only storage_options={{'state_files': [...]}}; got {options}.")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
+        _tidy(path.parent)
+        partial = _beside(path, PARTIAL)
         _remove(partial)
         try:
             if _references(checkpoint):
-                partial.mkdir()
-                (partial / STATE_DIR).mkdir()
+                partial.mkdir(mode=0o700)  # private, as the live state files are
+                (partial / STATE_DIR).mkdir(mode=0o700)
                 for source in state_files:
-                    shutil.copyfile(source, partial / STATE_DIR / os.path.basename(source))
-                    _fsync(partial / STATE_DIR / os.path.basename(source))
+                    copy = partial / STATE_DIR / os.path.basename(source)
+                    shutil.copyfile(source, copy)
+                    os.chmod(copy, 0o600)
+                    _fsync(copy)
                 _save(checkpoint, partial / CHECKPOINT_FILE)
             else:
                 _save(checkpoint, partial)
@@ -83,6 +90,8 @@ class SlideCheckpointIO(TorchCheckpointIO):
 def _load(path: Path, weights_only: bool, *, optimizer_state: bool) -> dict:
     # mapped, not read; the references into the state files resolved to mapped, CRC-checked tensors
     if not path.exists():
+        _recover(path)
+    if not path.exists():
         raise FileNotFoundError(f"Checkpoint {str(path)!r} not found.")
     file = path / CHECKPOINT_FILE if path.is_dir() else path
     checkpoint = torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
@@ -107,16 +116,48 @@ def _fsync(file: Path) -> None:
 
 
 def _replace(new: Path, path: Path) -> None:
-    """Put ``new`` at ``path``; a directory there (or a file, where ``new`` is a directory) goes only after."""
+    """Put ``new`` at ``path``; a directory there (or a file, where ``new`` is a directory) goes only after. A crash
+    between the two renames leaves ``path`` absent, the old one at ``path.old`` and ``new``, complete, at
+    ``path.partial``: :func:`_recover` finishes the replacement."""
     if new.is_file() and not path.is_dir():
         os.replace(new, path)
         return
-    old = path.with_name(path.name + ".old")
+    old = _beside(path, OLD)
     _remove(old)
     if path.exists():
         os.replace(path, old)
     os.replace(new, path)
     _remove(old)
+
+
+def _recover(path: Path) -> None:
+    # ``path`` after a crash in _replace: the new checkpoint if it was complete (renamed), else the old one
+    old, partial = _beside(path, OLD), _beside(path, PARTIAL)
+    if not old.exists():
+        return
+    if path.exists():  # the crash came after the second rename: the old one is superseded
+        _remove(old)
+        return
+    found = partial if partial.exists() else old
+    os.replace(found, path)
+    _remove(old)
+    log.warning(
+        "Checkpoint %s was being replaced when the process stopped: restored it from %s (the %s one).",
+        path, found.name, "new, complete" if found is partial else "previous",
+    )  # fmt: skip
+
+
+def _tidy(folder: Path) -> None:
+    # before a save: finish replacements a crash interrupted, then remove what killed saves left
+    for leftover in sorted(folder.glob(f"*{OLD}")):
+        _recover(leftover.with_name(leftover.name.removesuffix(OLD)))
+    for leftover in sorted(folder.glob(f"*{PARTIAL}")):
+        log.info("Removing %s, left by a save that did not finish.", leftover)
+        _remove(leftover)
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
 
 
 def _remove(path: Path) -> None:

@@ -445,3 +445,42 @@ def test_a_crafted_weight_reference_is_refused_by_export_loads(tmp_path):
     torch.save(raw, file)
     with pytest.raises(ValueError, match=rf"state_dict\['{name}'\] that names '/etc/hostname', not a file name"):
         SlideCheckpointIO.load_weights(last)
+
+
+def test_the_saved_state_copies_are_private(tmp_path):
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    last = ckpt / "last.ckpt"
+    assert {oct(p.stat().st_mode & 0o777) for p in (last, last / "state")} == {oct(0o700)}
+    assert {oct(p.stat().st_mode & 0o777) for p in (last / "state").iterdir()} == {oct(0o600)}
+
+
+@pytest.mark.parametrize("crash", ["between the renames", "before the second rename's cleanup", "mid-write"])
+def test_a_save_killed_while_replacing_a_directory_checkpoint_is_recovered(tmp_path, crash):
+    # the state a SIGKILL leaves at each point of SlideCheckpointIO._replace, made by hand from two real checkpoints
+    import shutil
+
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    last, newer = ckpt / "last.ckpt", ckpt / "epoch=0-step=4.ckpt"
+    older = ckpt / "older"
+    shutil.copytree(last, older)  # (last and step 4 are the same step; make "older" look older through its step)
+    raw = torch.load(older / "checkpoint.pt", weights_only=True)
+    raw["global_step"] = 2
+    torch.save(raw, older / "checkpoint.pt")
+    shutil.rmtree(last)
+    if crash == "between the renames":
+        older.rename(ckpt / "last.ckpt.old")
+        shutil.copytree(newer, ckpt / "last.ckpt.partial")  # complete: it is renamed only once synced
+        expected = 4
+    elif crash == "before the second rename's cleanup":
+        older.rename(ckpt / "last.ckpt.old")
+        shutil.copytree(newer, last)
+        expected = 4
+    else:
+        older.rename(last)
+        (ckpt / "last.ckpt.partial").mkdir()  # a half-written new one
+        expected = 2
+    loaded = SlideCheckpointIO().load_checkpoint(last)  # resume finds the newest complete one
+    assert loaded["global_step"] == expected
+    SlideCheckpointIO().save_checkpoint({"global_step": 9}, ckpt / "other.ckpt")  # a later save tidies up
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt", "other.ckpt"]
+    assert SlideCheckpointIO().load_checkpoint(last)["global_step"] == expected

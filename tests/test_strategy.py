@@ -159,8 +159,13 @@ class _NoStack(L.LightningModule):
         (StackLM, {"blocks": "net.head"}, {}, ValueError, "must name a non-empty nn.ModuleList"),
         (StackLM, {"update_schedule": "backward"}, {"gradient_clip_val": 1.0}, ValueError, "update_schedule='forward'"),
         (StackLM, {"on_nonfinite": "skip"}, {}, ValueError, "needs the global gradient norm"),
-        (StackLM, {"on_nonfinite": "skip"}, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, ValueError,
-         "which clipping by value does not compute"),  # fmt: skip
+        (
+            StackLM,
+            {"on_nonfinite": "skip"},
+            {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"},
+            ValueError,
+            "which clipping by value does not compute",
+        ),  # fmt: skip
         (lambda: CausalLM(tiny_config("llama")), {"attention": "slide"}, {}, ValueError, "head dim 8 \\(supported"),
     ],
 )

@@ -241,9 +241,9 @@ def plain_training_bytes(
     stored: dict[nn.Parameter, int] | None = None,
 ) -> TrainingBytes:
     """Device bytes of ``params`` trained on the device (activations apart): each parameter as stored, the
-    compute-dtype copies autocast makes of the wider matrices (``copies_itemsize``; 0 under fp32), and for each trainable
-    one its gradient, the optimizer's state and, unless the optimizer is fused, as much again as the gradients for the
-    step's temporaries (torch's foreach implementations)."""
+    compute-dtype copies autocast makes of the wider matrices (``copies_itemsize``; 0 under fp32), and for each
+    trainable one its gradient, the optimizer's state and, unless the optimizer is fused, as much again as the
+    gradients for the step's temporaries (torch's foreach implementations)."""
     sizes = stored or {}
     weights = sum(p.numel() * sizes.get(p, p.element_size()) for p in params)
     copies = sum(
