@@ -182,6 +182,7 @@ class Machine:
     host: int  # RAM the run may still take
     memlock: int | None = None  # ulimit -l; None: unlimited
     disk: int | None = None  # free at nvme_path; None: no NVMe
+    disk_held: int = 0  # at nvme_path, by other runs' state
 
 
 @dataclass(frozen=True)
@@ -383,7 +384,7 @@ def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Excepti
     # the first thing that does not fit, as the error the strategy raises
     try:
         check_window(engine.device_bytes(), machine.device, engine.num_slots, engine.device)
-        check_host(host, machine.host, machine.memlock, machine.disk)
+        check_host(host, machine.host, machine.memlock, machine.disk, machine.disk_held)
     except (MemoryError, OSError, torch.OutOfMemoryError) as err:
         return err
     return None

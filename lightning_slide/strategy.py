@@ -25,6 +25,7 @@ from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
 from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
+from .engine.nvme import sweep_stale_state
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .placement import (
@@ -296,8 +297,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
             settings("expandable_segments:True")
         # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
         self.precision_plugin.device = self.root_device.type
-        disk_free = shutil.disk_usage(self.nvme_path).free if self.nvme_path else None
-        machine = Machine(budget, available_host_bytes(), locked_memory_limit() if cuda else None, disk_free)
+        disk_free, disk_held = None, 0
+        if self.nvme_path:  # what killed runs left there goes first
+            _, disk_held = sweep_stale_state(self.nvme_path)
+            disk_free = shutil.disk_usage(self.nvme_path).free
+        machine = Machine(budget, available_host_bytes(), locked_memory_limit() if cuda else None, disk_free, disk_held)
         self.plan = self.plan_run(trainer, module, layout, optimizer, self.root_device, tokens, machine)
         frozen, half, widen, _ = self._storage(layout, optimizer)
         self.tier = self.plan.tier

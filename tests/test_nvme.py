@@ -1,6 +1,7 @@
 """The NVMe tier: Adam's moments in real files, the same training as in RAM, exact resume, and clear errors."""
 
 import os
+import tempfile
 
 import lightning as L
 import pytest
@@ -171,7 +172,7 @@ def test_too_small_disk_is_refused_before_anything_is_written(tmp_path, monkeypa
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(strategy_module.shutil, "disk_usage", lambda path: usage._replace(free=4096))
     strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path))
-    with pytest.raises(OSError, match=r"needs 0\.\d+ GiB at nvme_path but only 0\.00 GiB is free"):
+    with pytest.raises(OSError, match=r"needs [\d.]+ (KiB|MiB) at nvme_path but only 4\.00 KiB is free there\. "):
         fit(CausalLM(tiny_config("llama")), strategy, steps=1)
     assert list(tmp_path.iterdir()) == []
 
@@ -484,3 +485,55 @@ def test_a_save_killed_while_replacing_a_directory_checkpoint_is_recovered(tmp_p
     SlideCheckpointIO().save_checkpoint({"global_step": 9}, ckpt / "other.ckpt")  # a later save tidies up
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt", "other.ckpt"]
     assert SlideCheckpointIO().load_checkpoint(last)["global_step"] == expected
+
+
+KILLED_RUN = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import lightning as L
+from helpers import CausalLM, fit, tiny_config
+from lightning_slide import SlideFormerStrategy
+
+class Kill(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does: no cleanup runs
+
+strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path={nvme!r})
+fit(CausalLM(tiny_config("llama")), strategy, steps=4, callbacks=[Kill()])
+"""
+
+
+def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_counted(tmp_path, monkeypatch, caplog):
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    import lightning_slide.strategy as strategy_module
+    from lightning_slide.engine import nvme
+
+    script = KILLED_RUN.format(tests=os.path.dirname(__file__), nvme=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1  # the state the killed run held
+    assert left[0].startswith(nvme.STATE_PREFIX)
+    # another run's live state on the same disk (this process holds its owner lock)
+    live = tempfile.mkdtemp(prefix=nvme.STATE_PREFIX, dir=tmp_path)
+    owner = nvme._hold_owner_lock(live)
+    with open(os.path.join(live, "state.bin"), "wb") as f:
+        f.write(b"x" * (3 << 20))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(strategy_module.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path))
+    held = r"only 4\.00 KiB is free there \(3\.\d+ MiB more is held by other running"
+    with caplog.at_level("WARNING", logger="lightning_slide.engine.nvme"), pytest.raises(OSError, match=held):
+        fit(CausalLM(tiny_config("llama")), strategy, steps=1)
+    assert f"Removed {left[0]}" in caplog.text
+    assert "left by a run that was killed (pid " in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(live)]  # the live one untouched
+    os.close(owner)
+    monkeypatch.undo()
+    fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path)), steps=1)
+    assert list(tmp_path.iterdir()) == []  # its owner gone, the next run removed it; and left nothing of its own

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..kernels.linear_cross_entropy import tuning
-from .nvme import page_aligned, row_numel, rows_per_block
+from .nvme import page_aligned, row_numel, rows_per_block, size_text
 
 GIB = 2**30
 
@@ -110,12 +110,16 @@ def state_per_fp32(optimizer: torch.optim.Optimizer) -> int:
     return 3 if any(g.get("amsgrad") for g in groups) else 2
 
 
-def check_host(plan: HostPlan, available: int, memlock: int | None, disk_free: int | None = None) -> None:
-    """Raise a clear error if the plan does not fit the machine."""
+def check_host(
+    plan: HostPlan, available: int, memlock: int | None, disk_free: int | None = None, disk_held: int = 0
+) -> None:
+    """Raise a clear error if the plan does not fit the machine (``disk_held``: bytes other runs' state holds at
+    nvme_path)."""
     if disk_free is not None and plan.disk > disk_free:
+        others = f" ({size_text(disk_held)} more is held by other running SlideFormer runs' state)" if disk_held else ""
         raise OSError(
-            f"The optimizer state needs {plan.disk / GIB:.2f} GiB at nvme_path but only {disk_free / GIB:.2f} GiB is"
-            " free there. Free disk space, or give nvme_path a larger disk."
+            f"The optimizer state needs {size_text(plan.disk)} at nvme_path but only {size_text(disk_free)} is free"
+            f" there{others}. Free disk space, or give nvme_path a larger disk."
         )
     if plan.added > available:
         retained = (
