@@ -191,13 +191,14 @@ def _resolve(ref: dict, path: Path, where: str, maps: dict[str, torch.Tensor]) -
     file = _state_file(ref, path, where)
     start, nbytes = ref["offset"], ref["nbytes"]
     if file.name not in maps:
-        size = file.stat().st_size if file.is_file() else 0
-        if size < start + nbytes:
-            raise NvmeStateError(
-                f"State file {file} of this checkpoint is missing or truncated ({size} bytes, needs"
-                f" {start + nbytes}). Resume from another checkpoint."
-            )
-        maps[file.name] = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
+        if not file.is_file():
+            raise NvmeStateError(f"State file {file} of this checkpoint is missing. Resume from another checkpoint.")
+        maps[file.name] = torch.from_file(str(file), shared=False, size=file.stat().st_size, dtype=torch.uint8)
+    if (size := maps[file.name].numel()) < start + nbytes:
+        raise NvmeStateError(
+            f"State file {file} of this checkpoint is truncated ({size} bytes, needs {start + nbytes}). Resume"
+            " from another checkpoint."
+        )
     raw = maps[file.name][start : start + nbytes]
     chunk = ref["chunk_bytes"]
     for i, crc in enumerate(ref["crcs"]):

@@ -103,17 +103,20 @@ def test_nvme_checkpoints_rotate_as_directories(tmp_path):
     assert all((ckpt / n / "state").is_dir() for n in names)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "truncated"])
 def test_a_damaged_checkpoint_state_file_is_named_at_resume(tmp_path, damage):
     _, ckpt = _nvme_checkpoint(tmp_path)
     victim = sorted((ckpt / "last.ckpt" / "state").iterdir())[1]
     if damage == "corrupt":
         with open(victim, "r+b") as f:
             f.write(b"\xff" * 64)
+    elif damage == "truncated":
+        os.truncate(victim, victim.stat().st_size // 2)
     else:
         victim.unlink()
+    said = {"corrupt": "is corrupt", "missing": "is missing", "truncated": "is truncated"}[damage]
     strategy = SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(tmp_path / "nvme"))
-    with pytest.raises(NvmeStateError, match=rf"{victim.name}.* (corrupt|missing or truncated)"):
+    with pytest.raises(NvmeStateError, match=rf"{victim.name}.* {said}"):
         fit(CausalLM(tiny_config("llama")), strategy, steps=6, ckpt_path=str(ckpt / "last.ckpt"))
     assert (ckpt / "epoch=0-step=4.ckpt" / "state").is_dir()  # the other checkpoint is untouched
 
