@@ -9,6 +9,7 @@ maps the copies and checks each chunk's CRC before the state goes back into the 
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -22,7 +23,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from .engine.nvme import NvmeStateError
+from .engine.nvme import NvmeStateError, size_text
 
 CHECKPOINT_FILE = "checkpoint.pt"  # inside a checkpoint directory
 STATE_DIR = "state"
@@ -68,8 +69,10 @@ class SlideCheckpointIO(TorchCheckpointIO):
             else:
                 _save(checkpoint, partial)
             _replace(partial, path)
-        except BaseException:
+        except BaseException as err:
             _remove(partial)
+            if isinstance(err, (OSError, RuntimeError)):
+                _raise_if_disk_full(err, path, _checkpoint_bytes(checkpoint, state_files))
             raise
 
     @override
@@ -108,6 +111,36 @@ def _save(checkpoint: dict, file: Path) -> None:
         torch.save(checkpoint, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _raise_if_disk_full(err: BaseException, path: Path, need: int) -> None:
+    # a failed save's error, where the disk filled (torch's writer says only "unexpected pos"), as one that says so
+    free = shutil.disk_usage(path.parent).free
+    if getattr(err, "errno", None) == errno.ENOSPC or free < need:
+        raise OSError(
+            errno.ENOSPC, f"Saving checkpoint {path} failed: its disk is full ({size_text(free)} free, the checkpoint"
+            f" needs about {size_text(need)}). The previous checkpoints are intact. Free disk space, or save elsewhere"
+            " (ModelCheckpoint(dirpath=...)).",
+        ) from err  # fmt: skip
+
+
+def _checkpoint_bytes(checkpoint: dict, state_files: list[str]) -> int:
+    # about what a checkpoint takes on disk: its tensors and the state files copied beside it
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(checkpoint)
+    files = sum(os.path.getsize(f) for f in state_files if os.path.isfile(f))
+    return sum(t.numel() * t.element_size() for t in tensors) + files
 
 
 def _fsync(file: Path) -> None:

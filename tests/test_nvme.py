@@ -540,3 +540,46 @@ def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_cou
     monkeypatch.undo()
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path)), steps=1)
     assert list(tmp_path.iterdir()) == []  # its owner gone, the next run removed it; and left nothing of its own
+
+
+def test_a_full_disk_at_save_names_the_checkpoint_and_the_space(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    from lightning_slide import checkpoint_io
+
+    _, ckpt = _nvme_checkpoint(tmp_path)
+    last = ckpt / "last.ckpt"
+    checkpoint = SlideCheckpointIO().load_checkpoint(last)
+    saved = torch.save
+
+    def fills_the_disk(obj, f):  # as torch's writer fails on a full disk, after writing part of the file
+        f.write(b"x" * 4096)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 4096")
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint_io.torch, "save", fills_the_disk)
+    monkeypatch.setattr(checkpoint_io.shutil, "disk_usage", lambda path: usage._replace(free=12 << 10))
+    full = r"Saving checkpoint .*other\.ckpt failed: its disk is full \(12\.00 KiB free"
+    with pytest.raises(OSError, match=full) as e:
+        SlideCheckpointIO().save_checkpoint({"w": torch.zeros(1 << 16)}, ckpt / "other.ckpt")
+    assert e.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # nothing partial left
+    monkeypatch.setattr(checkpoint_io.torch, "save", saved)
+    assert SlideCheckpointIO().load_checkpoint(last)["global_step"] == checkpoint["global_step"]
+
+
+def test_a_disk_too_full_for_the_nvme_state_fails_at_setup_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path))
+    module = CausalLM(tiny_config("llama"))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(OSError, match=r"The disk at nvme_path .* filled while SlideFormer reserved"):
+        fit(module, strategy, steps=1)
+    assert list(tmp_path.iterdir()) == []
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())

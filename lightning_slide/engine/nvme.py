@@ -25,6 +25,7 @@ through RAM whole; :meth:`write` puts loaded state back.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import math
@@ -162,10 +163,25 @@ class NvmeStateStore:
                 path = os.path.join(self.dir, f"{i:04d}-{name or 'root'}.bin")
                 self.paths.append(path)
                 self._fds.append(self._open(path))
-                os.ftruncate(self._fds[-1], offset)
+                self._reserve(self._fds[-1], offset, root)
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _reserve(fd: int, nbytes: int, root: str) -> None:
+        # the file's blocks allocated now: a disk too full fails here, at setup, not at a write mid-training
+        os.ftruncate(fd, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise OSError(
+                errno.ENOSPC, f"The disk at nvme_path {root} filled while SlideFormer reserved the optimizer state's"
+                f" files ({size_text(shutil.disk_usage(root).free)} free now). Free disk space, or give nvme_path a"
+                " larger disk.",
+            ) from None  # fmt: skip
 
     def _open(self, path: str) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
@@ -282,7 +298,11 @@ class NvmeStateStore:
         start, end = region.block(block)
         written = os.pwritev(self._fds[region.file], [buffer.numpy()], region.offset + start)
         if written != end - start:
-            raise NvmeStateError(f"Short write to {self.paths[region.file]} ({written} of {end - start} bytes).")
+            free = size_text(shutil.disk_usage(self.dir).free)
+            raise NvmeStateError(
+                f"Short write to {self.paths[region.file]} ({written} of {end - start} bytes; {free} free on its"
+                " disk). Free disk space, or give nvme_path a larger disk."
+            )
         region.crcs[block] = zlib.crc32(buffer[: min(end, region.nbytes) - start].numpy())
 
     def _read(self, region: _Region, block: int, buffer: Tensor, what: str) -> None:
