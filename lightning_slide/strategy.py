@@ -193,6 +193,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self.nvme_path = nvme_path if optimizer_offload != "cpu" else None
         self.nvme_masters = nvme_masters
         self._loaded_masters: dict[nn.Parameter, torch.Tensor] = {}  # fp32 masters from a checkpoint, until setup
+        self._unsaved: str | None = None  # after a fault: why the state may not be saved ("": it may)
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
@@ -254,6 +255,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
+        self._unsaved = None
         if len(self._parallel_devices) > 1:
             raise ValueError(
                 f"SlideFormer trains on one device; got devices={len(self._parallel_devices)}. Use Trainer(devices=1)."
@@ -480,8 +482,23 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self._wait()
 
     def _wait(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and not self._interrupted():  # after a fault, nothing more will complete
             self.engine.wait()
+
+    def _interrupted(self) -> bool:
+        # Lightning sets this before any on_exception hook runs (its on-exception checkpoint's among them)
+        module = self.lightning_module
+        return module is not None and module._trainer is not None and module.trainer.interrupted
+
+    def _unsaved_reason(self) -> str | None:
+        # after a fault: why the state may not be saved (a step applied in part), once found
+        if self._unsaved is None and self.engine is not None and self._interrupted():
+            plan = self.engine.partial_step()
+            applied = ", ".join(plan.applied) if plan is not None else ""
+            self._unsaved = (
+                f"optimizer step {plan.step} was applied in part ({applied}) when it stopped" if plan else ""
+            )
+        return self._unsaved or None
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
 
@@ -511,6 +528,12 @@ class SlideFormerStrategy(SingleDeviceStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if (reason := self._unsaved_reason()) is not None:
+            callback = self.lightning_module.trainer.checkpoint_callback
+            last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "") or "none"
+            log.error("SlideFormer saved no checkpoint at %s: %s. The last checkpoint saved: %s.", filepath, reason,
+                      last)  # fmt: skip
+            return
         # with the optimizer state on NVMe, the checkpoint references the state files; they are copied beside it
         files = self.engine.state_io.state_files() if self.engine is not None else []
         if files:

@@ -796,3 +796,59 @@ def test_forward_schedule_updates_the_embedding_in_two_parts_exactly(
     assert len(started) == (6 if splits else 0)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+class _NaNIntoBlock1(CausalLM):
+    """A NaN in the gradient flowing into ``layers[1]`` at optimizer step 2 (the third): its parameters' gradients and
+    those below it are non-finite; the head, the norm and the blocks above are not."""
+
+    def training_step(self, batch, batch_idx):
+        hook = None
+        if self.global_step == 2:
+
+            def poison(module, args, output):
+                hidden = output[0] if isinstance(output, tuple) else output
+                if hidden.requires_grad:
+                    hidden.register_hook(lambda grad: grad * float("nan"))
+
+            hook = self.model.model.layers[1].register_forward_hook(poison)
+        try:
+            return super().training_step(batch, batch_idx)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+
+@pytest.mark.parametrize(("schedule", "clip"), [("auto", None), ("forward", None), ("auto", 1.0)])
+def test_a_nonfinite_step_names_what_it_applied_and_no_mixed_checkpoint_is_saved(tmp_path, caplog, schedule, clip):
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    module = _NaNIntoBlock1(tiny_config("llama"))
+
+    def strategy():
+        return SlideFormerStrategy(num_slots=2, update_schedule=schedule)
+
+    before, _ = fit(module, strategy(), steps=2, gradient_clip_val=clip)  # the state before the failing step
+    kept = []
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="crash")
+    callbacks = [_KeepModule(kept), on_exception]
+    with pytest.raises(NonFiniteGradientError, match="at optimizer step 2") as raised:
+        fit(module, strategy(), steps=4, gradient_clip_val=clip, callbacks=callbacks, enable_checkpointing=True)
+    after = {k: v.detach().float().clone() for k, v in kept[0].state_dict().items()}
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    applied = raised.value.applied
+    # the error names exactly the units whose parameters took the step
+    units = {name.split(" ")[0] for name in applied}
+    assert {k for k in moved if not any(k.startswith(u + ".") for u in units)} == set()
+    assert all(any(k.startswith(u + ".") for k in moved) for u in units)
+    if applied:
+        assert "had been already" in str(raised.value)
+        assert not (tmp_path / "crash.ckpt").exists()  # no checkpoint of the mixed state
+        assert "SlideFormer saved no checkpoint" in caplog.text
+    else:
+        assert "nothing of that step was applied" in str(raised.value)
+        saved = torch.load(tmp_path / "crash.ckpt", weights_only=True)["state_dict"]  # the state before the step
+        assert all(torch.equal(saved[k].float(), before[k]) for k in before)
+    if schedule == "auto" and clip is None:  # updates as gradients arrive: the head and the blocks above it went
+        assert "model.lm_head" in units
+        assert "model.model.layers.3" in units

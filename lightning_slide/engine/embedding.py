@@ -24,8 +24,10 @@ next forward from waiting for all of it (``benchmarks/NOTES.md`` has the traces)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -41,7 +43,7 @@ from .optim import CpuOptimizer, Hypers
 from .rows import Contribution, RowCopy, Rows, RowSplit
 from .transfer import Transfer
 from .units import Unit
-from .updates import NonFiniteGradientError, StepPlan, Updates, nonfinite_message
+from .updates import StepPlan, Updates, nonfinite
 from .window import Window
 from .worker import CpuWorker
 
@@ -89,7 +91,8 @@ class EmbeddingRows:
         self.touched: list[Tensor] | None = None  # rows this optimizer step's forwards gathered (host); None: no step
         self.split: RowSplit | None = None  # this step's two-part update
         self.row_copy: RowCopy | None = None  # the last device update of the touched rows
-        self.deferred: tuple[RowSplit, Hypers] | None = None  # the last step's touched rows, for the next gather
+        # the last step's touched rows, for the next gather
+        self.deferred: tuple[RowSplit, Hypers, StepPlan] | None = None
         self._split_pays: bool | None = None  # "auto": whether the worker has time for the split; None: undecided
         self._steps = 0
         self._worker_at_step: tuple[float, float] = (0.0, 0.0)  # the worker's busy and waiting seconds then
@@ -266,6 +269,8 @@ class EmbeddingRows:
                          on_device=on_device, defer=defer)  # fmt: skip
         hypers = plan.hypers[self.optimizer.group_index(self.param)]
         split.bulk_done = self.worker.submit(split.bulk, self.optimizer, hypers)
+        self.updates.count(plan)
+        self.worker.submit(plan.applied.append, f"{self.unit.name} (the rows the step did not touch)")
         self.split = split
         self.sender.routes[self.param] = self._send_rows
 
@@ -326,18 +331,19 @@ class EmbeddingRows:
         The embedding's ``update_done`` becomes the whole update's (main thread, after the sender drained)."""
         if self.deferred is None:
             return None
-        (split, hypers), self.deferred = self.deferred, None
+        (split, hypers, plan), self.deferred = self.deferred, None
         ahead = torch.isin(split.index, split.index[:0] if first is None else first)
         done = self.worker.submit(split.apply_landed, self.optimizer, hypers, ahead)
-        self.unit.update_done = self.worker.submit(self._finish_deferred, split, hypers, ~ahead)
+        self.unit.update_done = self.worker.submit(self._finish_deferred, split, hypers, ~ahead, plan)
         if first is not None:
             split.bulk_done.result()  # queued before both parts; also re-raises a failed bulk
         return done, split.index[ahead]
 
-    def _finish_deferred(self, split: RowSplit, hypers: Hypers, rest: Tensor) -> None:
+    def _finish_deferred(self, split: RowSplit, hypers: Hypers, rest: Tensor, plan: StepPlan) -> None:
         try:
             split.apply_landed(self.optimizer, hypers, rest)
             self.optimizer.end(split.param)
+            plan.applied.append(self.unit.name)
         finally:
             for _, landing, _ in split.landed:
                 self.transfer.give_landing(landing)
@@ -384,7 +390,8 @@ class EmbeddingRows:
         if plan is None or defer:
             self.worker.submit(lambda: None, after=event)  # the update, queued later, finds the rows landed
             if defer:
-                self.deferred = (split, hypers)
+                self.deferred = (split, hypers, plan)
+                plan.deferred.add(self.unit.name)
         else:
             self.worker.submit(self.optimizer.end, split.param)
 
@@ -429,7 +436,10 @@ class EmbeddingRows:
         # the touched rows' gradients (kept by _send_rows), checked and clipped by value, and their group's hypers
         grad = split.grad
         if check_finite and not bool(torch.isfinite(torch.linalg.vector_norm(grad))):
-            raise NonFiniteGradientError(nonfinite_message(plan.step, self.unit.name))
+            if threading.current_thread() is threading.main_thread():  # the worker's updates so far, all named
+                with contextlib.suppress(BaseException):
+                    self.worker.drain()
+            raise nonfinite(plan, self.unit.name)
         if plan.clip_value is not None:
             grad.clamp_(-plan.clip_value, plan.clip_value)
         return grad, plan.hypers[self.optimizer.group_index(split.param)]
@@ -439,12 +449,14 @@ class EmbeddingRows:
         grad, hypers = self._checked_grad(split, plan, check_finite)
         split.apply(self.optimizer, 0, len(grad), grad, hypers, plan.grad_scale)
         self.optimizer.end(split.param)
+        plan.applied.append(self.unit.name)
 
     def _update_on_device(self, split: RowSplit, plan: StepPlan, check_finite: bool) -> Future:
         # the update on the device now (main thread); the write-back after the updates the next forward waits for
         grad, hypers = self._checked_grad(split, plan, check_finite)
         split.update_on_device(self.optimizer, grad, hypers, plan.grad_scale)
         self.optimizer.end(split.param)
+        plan.applied.append(self.unit.name)
         split.grad = None  # the device may reuse it
         # the next forward's rows shared with this step come from the device copy until the write-back has landed
         landed, done = Future(), self.transfer.record()

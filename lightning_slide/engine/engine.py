@@ -23,6 +23,7 @@ begins and ends in the user's optimizer's ``step()``, through a step hook. Pendi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from typing import Literal
@@ -48,7 +49,7 @@ from .step import Step
 from .tiling import TiledMLP, gated_mlp
 from .transfer import Transfer
 from .units import Unit, collect_units, in_forward_order, move_except_parameters, replace_forward
-from .updates import Updates
+from .updates import StepPlan, Updates
 from .window import Window, WindowStats, window_bytes
 from .worker import CpuWorker
 
@@ -537,6 +538,14 @@ class SlideEngine:
         plan = self.host_plan()
         state = plan.optimizer_state if not self.optimizer.optimizer.state else 0
         return state + (plan.retained_grads if not self.updates.host else 0)
+
+    def partial_step(self) -> StepPlan | None:
+        """After a fault: the step whose updates were applied in part (the model then mixes two steps), once the
+        worker has stopped; ``None`` when each step is applied whole or not at all."""
+        with contextlib.suppress(BaseException):  # the fault itself: what matters here is what ran before it
+            self.worker.drain()
+        updates = self.updates
+        return next((plan for plan in updates.recent if plan.partial), None) if updates is not None else None
 
     def wait(self) -> None:
         """Complete every pending update (before validation, checkpoints, and the end of training)."""

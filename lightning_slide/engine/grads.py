@@ -186,7 +186,7 @@ class GradSender:
             if streamed and not plan.norm_checked:  # "norm-first" found the norm finite
                 for owner in owners:
                     flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
-                    self.worker.submit(check_finite, flag, plan.step, owner.name, after=flag_event)
+                    self.worker.submit(check_finite, flag, plan, owner.name, after=flag_event)
             for owner, param, contributions in ready:
                 if param in self.routes:
                     self.routes[param](contributions, plan if streamed else None)

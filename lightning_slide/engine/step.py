@@ -15,6 +15,7 @@ The schedules themselves are described in ``engine.py``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -31,7 +32,7 @@ from .guard import Guard
 from .optim import CpuOptimizer
 from .rows import Contribution
 from .units import Unit
-from .updates import NonFiniteGradientError, StepPlan, Updates, nonfinite_message
+from .updates import StepPlan, Updates, nonfinite
 from .window import Window
 from .worker import CpuWorker
 
@@ -223,7 +224,9 @@ class Step:
                 p.grad = None
         elif not self.plan.norm_checked and not torch.stack(torch._foreach_norm(grads, 2.0)).isfinite().all().item():
             bad = next(p for p in self.resident if p.grad is not None and not torch.isfinite(p.grad).all())
-            raise NonFiniteGradientError(nonfinite_message(self.plan.step, self._names.get(bad, "a parameter")))
+            with contextlib.suppress(BaseException):  # the updates in flight: what the error names is complete
+                self.worker.drain()
+            raise nonfinite(self.plan, self._names.get(bad, "a parameter"))
 
     def _update_order_params(self) -> list[nn.Parameter]:
         return [p for u in self._update_order() for p, o in zip(u.params, u.owner) if o is u]
@@ -248,6 +251,7 @@ class Step:
                 touched = split is not None and unit is self.rows.unit
                 self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
                                       run=self.rows.update_touched if touched else None)  # fmt: skip
+        plan.finished = True  # every update of the step is queued
         self.updates.updated.clear()
         if self.rows is not None:
             self.rows.end_step()

@@ -17,9 +17,10 @@ Two ways a gradient reaches its update (``grads.py`` moves it):
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -31,21 +32,42 @@ from .worker import CpuWorker
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A gradient held NaN or Inf; it was not applied."""
+    """A gradient held NaN or Inf; it was not applied. ``applied``: the units whose update of that step had been
+    applied before it was found (the "backward" schedule updates each unit as its gradient arrives)."""
+
+    def __init__(self, message: str, applied: list[str] = ()) -> None:
+        super().__init__(message)
+        self.applied = list(applied)
 
 
-def nonfinite_message(step: int, name: str) -> str:
-    return (
-        f"Non-finite gradient (NaN or Inf) at optimizer step {step} in '{name}'; it was not applied and training"
-        " stops here. Lower the learning rate, check the data of this step, or enable gradient clipping"
-        " (with clipping by norm, SlideFormerStrategy(on_nonfinite='skip') skips such steps instead)."
+def nonfinite(plan: StepPlan, name: str) -> NonFiniteGradientError:
+    """The error for a non-finite gradient of ``name`` in ``plan``'s step, naming what of the step was applied."""
+    if plan.applied:
+        what = (
+            f"it was not applied, but the step's updates of {', '.join(repr(n) for n in plan.applied)} had been"
+            f" already: the model now mixes steps {plan.step - 1} and {plan.step}, and SlideFormer saves no checkpoint"
+            " of it. Training stops here; resume from the last checkpoint"
+        )
+    else:
+        what = "nothing of that step was applied and training stops here"
+    return NonFiniteGradientError(
+        f"Non-finite gradient (NaN or Inf) at optimizer step {plan.step} in '{name}'; {what}. Lower the learning"
+        " rate, check the data of this step, or enable gradient clipping (with clipping by norm,"
+        " SlideFormerStrategy(on_nonfinite='skip') skips such steps instead).",
+        plan.applied,
     )
 
 
-def check_finite(flag: Tensor, step: int, name: str) -> None:
+def _streamed_done(plan: StepPlan, name: str) -> None:
+    # a streamed unit's chunks are applied (on the worker), unless its update was deferred (embedding.py)
+    if name not in plan.deferred:
+        plan.applied.append(name)
+
+
+def check_finite(flag: Tensor, plan: StepPlan, name: str) -> None:
     """Raise for a host flag (from the device) that says a gradient was not finite (on the worker)."""
     if not bool(flag[0]):
-        raise NonFiniteGradientError(nonfinite_message(step, name))
+        raise nonfinite(plan, name)
 
 
 @dataclass
@@ -59,6 +81,15 @@ class StepPlan:
     norm_checked: bool = False  # the global norm was found finite
     norm: float = 0.0  # "norm-first": the global norm of the first backward pass
     skip: bool = False  # non-finite norm and on_nonfinite="skip": apply nothing
+    applied: list[str] = field(default_factory=list)  # the units updated so far, in order (by the worker)
+    scheduled: int = 0  # updates queued (main thread)
+    deferred: set[str] = field(default_factory=set)  # units whose update runs later than their bookkeeping says
+    finished: bool = False  # every update of the step is queued
+
+    @property
+    def partial(self) -> bool:
+        """Some of the step's updates were applied, not all (after a fault: the model mixes two steps)."""
+        return bool(self.applied) and not (self.finished and len(self.applied) >= self.scheduled)
 
 
 class Updates:
@@ -89,6 +120,7 @@ class Updates:
         self.host: dict[nn.Parameter, Tensor] = {}  # retained gradients (views into one buffer per owner unit)
         self.fresh: dict[nn.Parameter, bool] = {}  # retained buffer holds nothing of this window yet
         self.pending: set[nn.Parameter] = set()  # parameters with gradients in this window
+        self.recent: deque[StepPlan] = deque(maxlen=2)  # the steps whose updates may still run (one overlaps the next)
         self.updated: set[nn.Parameter] = set()  # updated during this window's last backward
         # NOTE: squared norms of gradients with one contribution in the window, summed on the device as they
         # leave, so clipping by norm costs the CPU no pass over the gradients.
@@ -160,6 +192,7 @@ class Updates:
         params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p in self.pending]
         if not params:
             return
+        self.count(plan)
         for p in params:
             self.pending.discard(p)
             self.device_sq.pop(p, None)
@@ -167,13 +200,19 @@ class Updates:
             if self.retain:
                 self.fresh[p] = True
         owner.version += 1
-        if streamed:
-            owner.update_done = self.worker.submit(lambda: None)
+        if streamed:  # after its chunks
+            owner.update_done = self.worker.submit(_streamed_done, plan, owner.name)
         elif run is not None:
             owner.update_done = run(plan, check_finite)
         else:
             self.optimizer.prefetch(params)
             owner.update_done = self.worker.submit(self._update, owner.name, params, plan, check_finite)
+
+    def count(self, plan: StepPlan) -> None:
+        """One more update of ``plan``'s step is queued (main thread)."""
+        plan.scheduled += 1
+        if not any(p is plan for p in self.recent):
+            self.recent.append(plan)
 
     def discard(self) -> None:
         """Drop this window's gradients without applying them (a skipped step)."""
@@ -203,7 +242,7 @@ class Updates:
             if skip_nonfinite:
                 plan.skip = True
                 return
-            raise NonFiniteGradientError(nonfinite_message(plan.step, "the global gradient norm"))
+            raise nonfinite(plan, "the global gradient norm")
         plan.norm_checked = True
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
@@ -234,7 +273,7 @@ class Updates:
         if check_finite:
             norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]), 2.0)
             if not torch.isfinite(norm):
-                raise NonFiniteGradientError(nonfinite_message(plan.step, name))
+                raise nonfinite(plan, name)
         compact = [g.dtype != torch.float32 for g in grads]  # bf16: widened chunk by chunk (_update_compact)
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(params):
@@ -255,6 +294,7 @@ class Updates:
                     self._update_compact(params[i], grads[i], hypers, plan)
             for i in idx:
                 self.optimizer.end(params[i])
+        plan.applied.append(name)
 
     def _update_compact(self, param: nn.Parameter, grad: Tensor, hypers: Hypers, plan: StepPlan) -> None:
         # a bf16 retained gradient, widened to fp32 a chunk at a time (clipped by value there)
