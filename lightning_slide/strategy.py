@@ -482,7 +482,11 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         self._wait()
 
     def _wait(self) -> None:
-        if self.engine is not None and not self._interrupted():  # after a fault, nothing more will complete
+        if self.engine is None:
+            return
+        if self._interrupted():  # after a fault: what can still complete, quietly, and whether a step is half done
+            self._unsaved_reason()
+        else:
             self.engine.wait()
 
     def _interrupted(self) -> bool:
