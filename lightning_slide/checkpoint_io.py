@@ -16,6 +16,8 @@ import os
 import shutil
 import stat
 import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,13 @@ from .engine.nvme import NvmeStateError, size_text
 CHECKPOINT_FILE = "checkpoint.pt"  # inside a checkpoint directory
 STATE_DIR = "state"
 PARTIAL, OLD = ".partial", ".old"  # a save in progress; the checkpoint it replaces, while it does
+CHECKSUMS = "slide_checksums"  # in a checkpoint: its tensors' CRC-32s
+_CRC_BYTES = 64 << 20  # bytes per CRC: a large tensor's are computed in parallel
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint's tensors do not match the checksums saved with them."""
+
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,7 @@ class SlideCheckpointIO(TorchCheckpointIO):
         _tidy(path.parent)
         partial = _beside(path, PARTIAL)
         _remove(partial)
+        checkpoint = {**checkpoint, CHECKSUMS: _checksums(checkpoint)}
         try:
             if _references(checkpoint):
                 partial.mkdir(mode=0o700)  # private, as the live state files are
@@ -98,6 +108,8 @@ def _load(path: Path, weights_only: bool, *, optimizer_state: bool) -> dict:
         raise FileNotFoundError(f"Checkpoint {str(path)!r} not found.")
     file = path / CHECKPOINT_FILE if path.is_dir() else path
     checkpoint = torch.load(file, map_location="cpu", weights_only=weights_only, mmap=True)
+    if (saved := checkpoint.pop(CHECKSUMS, None)) is not None:
+        _verify(checkpoint, saved, path, weights_only=not optimizer_state)
     maps: dict[str, torch.Tensor] = {}
     for where, container in _containers(checkpoint, optimizer_state=optimizer_state):
         for key, value in container.items():
@@ -126,21 +138,47 @@ def _raise_if_disk_full(err: BaseException, path: Path, need: int) -> None:
 
 def _checkpoint_bytes(checkpoint: dict, state_files: list[str]) -> int:
     # about what a checkpoint takes on disk: its tensors and the state files copied beside it
-    tensors: list[torch.Tensor] = []
-
-    def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-
-    walk(checkpoint)
     files = sum(os.path.getsize(f) for f in state_files if os.path.isfile(f))
-    return sum(t.numel() * t.element_size() for t in tensors) + files
+    return sum(t.numel() * t.element_size() for _, t in _tensors(checkpoint)) + files
+
+
+def _tensors(value: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    # every tensor in a checkpoint, with where it is (``['state_dict']['model.x.weight']``)
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{where}[{i}]")
+
+
+def _checksums(checkpoint: dict) -> dict[str, list[int]]:
+    # each tensor's CRC-32s, one per _CRC_BYTES of it, on all cores (zlib leaves the GIL for large buffers); a tensor
+    # on the device is copied to the host one at a time
+    checksums: dict[str, list] = {}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for where, t in _tensors(checkpoint):
+            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            parts = [raw[lo : lo + _CRC_BYTES] for lo in range(0, max(len(raw), 1), _CRC_BYTES)]
+            checksums[where] = [pool.submit(zlib.crc32, part) for part in parts]
+            if t.device.type != "cpu":
+                checksums[where] = [f.result() for f in checksums[where]]
+    return {where: [f if isinstance(f, int) else f.result() for f in crcs] for where, crcs in checksums.items()}
+
+
+def _verify(checkpoint: dict, saved: dict[str, list[int]], path: Path, *, weights_only: bool) -> None:
+    # the tensors against the checksums saved with them (only the weights' for ``weights_only``)
+    if weights_only:
+        saved = {where: crcs for where, crcs in saved.items() if where.startswith("['state_dict']")}
+    found = _checksums(checkpoint)
+    for where, crcs in saved.items():
+        if found.get(where) != crcs:
+            what = "is missing" if where not in found else "does not match the checksum saved with it"
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} is damaged: its tensor at {where} {what}. Resume from another checkpoint."
+            )
 
 
 def _fsync(file: Path) -> None:

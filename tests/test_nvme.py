@@ -1,6 +1,7 @@
 """The NVMe tier: Adam's moments in real files, the same training as in RAM, exact resume, and clear errors."""
 
 import os
+import re
 import tempfile
 
 import lightning as L
@@ -9,7 +10,7 @@ import torch
 
 from helpers import CausalLM, fit, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy
-from lightning_slide.checkpoint_io import SlideCheckpointIO
+from lightning_slide.checkpoint_io import CheckpointError, SlideCheckpointIO
 from lightning_slide.engine import EngineConfig
 from lightning_slide.engine.nvme import NvmeStateError
 
@@ -446,6 +447,7 @@ def test_a_crafted_weight_reference_is_refused_by_export_loads(tmp_path):
     name = "model.model.norm.weight"
     ref = {**raw["optimizer_states"][0]["state"][0]["exp_avg"], "nvme_state_file": "/etc/hostname"}
     raw["state_dict"][name] = ref
+    raw.pop("slide_checksums")  # (with them, the missing tensor is refused first)
     torch.save(raw, file)
     with pytest.raises(ValueError, match=rf"state_dict\['{name}'\] that names '/etc/hostname', not a file name"):
         SlideCheckpointIO.load_weights(last)
@@ -583,3 +585,32 @@ def test_a_disk_too_full_for_the_nvme_state_fails_at_setup_and_leaves_nothing(tm
         fit(module, strategy, steps=1)
     assert list(tmp_path.iterdir()) == []
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_a_flipped_bit_in_the_weights_or_the_ram_state_is_refused(tmp_path, tier):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    (tmp_path / "nvme").mkdir()
+    strategy = SlideFormerStrategy(num_slots=2, optimizer_offload=tier, nvme_path=str(tmp_path / "nvme"))
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)
+    fit(CausalLM(tiny_config("llama")), strategy, steps=2, enable_checkpointing=True, callbacks=[saver])
+    path = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    file = path / "checkpoint.pt" if path.is_dir() else path
+    raw = torch.load(file, weights_only=True)
+    victim = "['state_dict']['model.model.layers.1.mlp.up_proj.weight']"
+    assert victim in raw["slide_checksums"]
+    if tier == "cpu":  # the RAM tier's Adam state is in the file too
+        assert any(k.startswith("['optimizer_states'][0]['state']") for k in raw["slide_checksums"])
+    weight = raw["state_dict"]["model.model.layers.1.mlp.up_proj.weight"]
+    data = file.read_bytes()
+    at = data.find(weight.numpy().tobytes())  # the tensor's bytes, stored as they are
+    assert at > 0
+    flipped = bytearray(data)
+    flipped[at + 5] ^= 0x10
+    file.write_bytes(bytes(flipped))
+    with pytest.raises(CheckpointError, match=rf"is damaged: its tensor at {re.escape(victim)} does not match"):
+        SlideCheckpointIO().load_checkpoint(path)
+    with pytest.raises(CheckpointError):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2, optimizer_offload=tier,
+            nvme_path=str(tmp_path / "nvme")), steps=4, ckpt_path=str(path))  # fmt: skip
