@@ -123,11 +123,19 @@ def test_nonfinite_step_can_be_skipped_with_clipping():
     nan_module = _NaNAt(config)
     skip_module = _NaNAt(config, skip=True)  # plain Lightning: returning None skips the update
     skip_module.load_state_dict(nan_module.state_dict())
-    ref, _ = fit(skip_module, "auto", steps=4, gradient_clip_val=1.0)
-    ours, _ = fit(nan_module, SlideFormerStrategy(on_nonfinite="skip"), steps=4, gradient_clip_val=1.0)
+    ref, plain = fit(skip_module, "auto", steps=4, gradient_clip_val=1.0)
+    ours, trained = fit(nan_module, SlideFormerStrategy(on_nonfinite="skip"), steps=4, gradient_clip_val=1.0)
     err, where = max_rel_error(ours, ref)
     assert all(torch.isfinite(v).all() for v in ours.values())
     assert err < 1e-5, f"{where}: {err:.2e}"
+    # no other trace either: the step counters and Adam's state are those of a step whose training_step returned None
+    assert trained.trainer.global_step == plain.trainer.global_step == 4
+    theirs = plain.trainer.optimizers[0].state_dict()["state"]
+    mine = trained.trainer.optimizers[0].state_dict()["state"]
+    assert {i: float(s["step"]) for i, s in mine.items()} == {i: float(s["step"]) for i, s in theirs.items()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        err, where = max_rel_error({i: s[key] for i, s in mine.items()}, {i: s[key] for i, s in theirs.items()})
+        assert err < 1e-5, f"{key} {where}: {err:.2e}"
 
 
 def test_validation_test_and_predict_loops():
