@@ -47,8 +47,10 @@ class SlideCheckpointIO(TorchCheckpointIO):
     Saving: ``torch.save`` streams tensor by tensor into a temporary file (or directory) beside the target, which is
     synced and then renamed over the target, so a crash mid-write leaves the previous checkpoint intact. (Lightning's
     default first serializes the whole checkpoint into an in-memory buffer: a second copy of every weight and
-    optimizer state.) Loading: ``torch.load(weights_only=True, mmap=True)``: plain tensors and containers only,
-    read from the page cache on demand instead of into a second copy.
+    optimizer state.) Every tensor's CRC-32s go into the checkpoint (``CHECKSUMS``). Loading:
+    ``torch.load(weights_only=True, mmap=True)``: plain tensors and containers only, read from the page cache instead of
+    into a second copy, each checked against its CRC-32s. A save that a crash cut short is finished or undone at the
+    next load or save (``_recover``).
 
     ``storage_options``: ``{"state_files": [...]}``, the files that the checkpoint's state references point into
     (the strategy passes them when the optimizer state is on NVMe).
