@@ -127,6 +127,7 @@ def run_slideformer(
     threads,
     trace_dir: str | None = None,
     config=None,
+    accumulate: int = 1,
 ):
     import lightning as L
     from torch.utils.data import DataLoader
@@ -142,7 +143,8 @@ def run_slideformer(
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
-            if batch_idx == warmup + steps:  # one more step, not timed: where the GPU's and the worker's time goes
+            # one more step, not timed: where the GPU's and the worker's time goes
+            if batch_idx == (warmup + steps) * accumulate:
                 trainer.strategy.engine.worker.timeline = []
                 untraced_peak.append(peak_rss())
                 marks["start"] = time.perf_counter()
@@ -165,8 +167,10 @@ def run_slideformer(
                 marks["forward_done"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if (batch_idx + 1) % accumulate:  # an optimizer step ends with its last micro-batch
+                return
             torch.cuda.synchronize()
-            if batch_idx == warmup + steps:
+            if batch_idx + 1 == (warmup + steps + 1) * accumulate:
                 profiler.stop()
                 marks["end"] = time.perf_counter()
                 worker = trainer.strategy.engine.worker
@@ -179,7 +183,8 @@ def run_slideformer(
             times.append(time.perf_counter())
             timeline.append(
                 (engine.worker.busy_s, engine.worker.wait_s, engine.stats.wait_update_s, engine.stats.wait_send_s,
-                 engine.stats.upload_bytes, engine.sender.download_bytes)
+                 engine.stats.upload_bytes + getattr(engine.sender, "upload_bytes", 0),  # (older engines: none)
+                 engine.sender.download_bytes)
             )  # fmt: skip
 
     start_measure()
@@ -187,11 +192,12 @@ def run_slideformer(
         strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads, update_schedule=schedule, engine=config),
         precision="bf16-mixed",
         max_steps=warmup + steps + 1,
+        accumulate_grad_batches=accumulate,
         gradient_clip_val=None if schedule == "backward" else 1.0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Clock()],
     )  # fmt: skip
-    data = DataLoader(batches(warmup + steps + 1, batch, seq), batch_size=None)
+    data = DataLoader(batches((warmup + steps + 1) * accumulate, batch, seq), batch_size=None)
     trainer.fit(module, data)
     torch.cuda.synchronize()
     module._trainer = None  # the trainer holds the optimizer and its state: the next run starts without them
@@ -300,18 +306,23 @@ class BenchLM:
 # ---- (b) all on the GPU, (c) FSDP2 CPU offload -------------------------------------------------------------------
 
 
-def run_plain(model, batch: int, seq: int, steps: int, warmup: int, fused: bool = True, trace: str | None = None):
+def run_plain(
+    model, batch: int, seq: int, steps: int, warmup: int, fused: bool = True, trace: str | None = None,
+    accumulate: int = 1,
+):  # fmt: skip
     model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-5, weight_decay=0.01, fused=fused, foreach=None if fused else True
     )
-    data = [b.cuda() for b in batches(warmup + steps, batch, seq)]
+    micro = [b.cuda() for b in batches((warmup + steps) * accumulate, batch, seq)]
+    data = [micro[i : i + accumulate] for i in range(0, len(micro), accumulate)]
     times = []
 
-    def step(ids):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+    def step(micro_batches):
+        for ids in micro_batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            (loss / accumulate).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -332,11 +343,11 @@ def run_plain(model, batch: int, seq: int, steps: int, warmup: int, fused: bool 
             "host_peak": peak_rss(), "timeline": ""}  # fmt: skip
 
 
-def run_all_gpu(layers, batch, seq, steps, warmup, trace_dir=None):
+def run_all_gpu(layers, batch, seq, steps, warmup, trace_dir=None, accumulate=1):
     start_measure()
     model = make_model(layers).cuda()
     trace = os.path.join(trace_dir, f"b_all_gpu_{batch * seq}.json") if trace_dir else None
-    out = run_plain(model, batch, seq, steps, warmup, trace=trace)
+    out = run_plain(model, batch, seq, steps, warmup, trace=trace, accumulate=accumulate)
     del model
     return out
 
@@ -460,7 +471,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--tokens", default="8192,32768", help="tokens per step (comma-separated)")
+    parser.add_argument("--tokens", default="8192,32768", help="tokens per micro-batch (comma-separated)")
+    parser.add_argument("--accumulate", type=int, default=1, help="(a), (b): micro-batches per optimizer step")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", default="d,a,b,c")
@@ -491,7 +503,7 @@ def main() -> None:
     common = {
         **environment(), "lightning": lightning.__version__, "transformers": transformers.__version__,
         "model": f"llama-{args.layers}x4096-v128256" + ("-zipf" if args.ids == "zipf" else ""), "params": n_params,
-        "seq": args.seq,
+        "seq": args.seq, "accumulate": args.accumulate,
     }  # fmt: skip
     rows = []
 
@@ -503,7 +515,7 @@ def main() -> None:
             result = {"step_s": float("nan"), "gpu_alloc_gib": float("nan"), "gpu_reserved_gib": float("nan"),
                       "host_peak": 0, "timeline": f"FAILED: {type(err).__name__}: {str(err)[:300]}"}  # fmt: skip
         row = {**common, "system": system, "schedule": schedule, "tokens": tokens, **result}
-        row["tok_s"] = tokens / row["step_s"] if tokens and row["step_s"] == row["step_s"] else 0.0
+        row["tok_s"] = tokens * args.accumulate / row["step_s"] if tokens and row["step_s"] == row["step_s"] else 0.0
         row["host_peak_gib"] = row["host_peak"] / GIB
         row["host_b_per_param"] = row.pop("host_peak") / n_params
         rows.append(row)
@@ -531,12 +543,12 @@ def main() -> None:
         for schedule in args.schedules.split(","):
             for tokens in token_counts:
                 record(system, schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
-                       args.gpu_cap_gib, args.cpu_threads, args.trace_dir, config)  # fmt: skip
+                       args.gpu_cap_gib, args.cpu_threads, args.trace_dir, config, args.accumulate)  # fmt: skip
         del module
         torch.set_num_threads(default_threads)
     for tokens in token_counts:
         if "b" in systems:
-            record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens), args.trace_dir)
+            record("b_all_gpu", "", tokens, run_all_gpu, args.layers, *shape(tokens), args.trace_dir, args.accumulate)
         if "c" in systems:
             record("c_fsdp2_offload", "", tokens, run_fsdp2, args.layers, *shape(tokens))
     print(f"{'system':<18}{'schedule':<12}{'tokens':>7}{'tok/s':>9}{'step s':>8}{'GPU GiB':>9}{'host B/p':>9}")

@@ -315,9 +315,10 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
     units = _placements(engine)
     plan = Plan(tier, engine.schedule, units, device.peak, host, offloaded, engine=engine)
     if work is not None:  # the CPU steps, and the weights that travel, are the streamed units' only
-        kept_params = sum(u.params for u in units if u.weights == "gpu")
+        rows_only = engine.embedding.name if engine.embedding is not None else None  # its rows travel, not its weights
+        travel = sum(u.params for u in units if u.weights == "stream" and u.name != rows_only)
         trained = sum(p.numel() for p in engine.streamed_trainable()) if engine.optimizer is not None else 0
-        work = replace(work, streamed=work.streamed - kept_params, trained=trained, disk_state_bytes=2 * host.disk)
+        work = replace(work, streamed=travel, trained=trained, disk_state_bytes=2 * host.disk)
         plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
     if plan.error is None and cuda and device.peak > machine.device:
@@ -421,17 +422,14 @@ def _layout_units(module: nn.Module, layout: Layout) -> list[tuple[str, int, boo
 def _work(
     module: nn.Module, layout: Layout, optimizer: Optimizer | None, tokens: int | None, micro: int
 ) -> Work | None:
-    # what a step computes and moves, for the predicted step time (``rates.py``)
+    # what a step computes, for the predicted step time (``rates.py``); what it moves is the streamed units' (make_plan)
     if tokens is None or optimizer is None:
         return None
     inside = {m for _, b in layout.blocks for m in b.modules()}
     linear = [m for m in module.modules() if isinstance(m, nn.Linear)]
     block = sum(m.weight.numel() for m in linear if m in inside)
     other = sum(m.weight.numel() for m in linear if m not in inside)
-    embedding = layout.embedding[1].weight.numel() if layout.embedding else 0
-    trained = sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
-    streamed = sum(p.numel() for p in module.parameters()) - embedding
-    return Work(tokens, micro, block, other, streamed, trained, 0)
+    return Work(tokens, micro, block, other, streamed=0, trained=0, disk_state_bytes=0)
 
 
 def norm_first_refusal(trainer: Any, module: LightningModule) -> str | None:

@@ -4,10 +4,11 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
 
 - the GPU computes 2 flops per weight and token for each pass over a matrix (forward; recompute of a streamed block;
   backward counts two, one for the input's gradient and one for the weight's), at ``gpu_tflops``; copies run beside
-  it at ``pcie_gbs`` each way (weights up in bf16 for the forward and again for the backward, fp32 gradients down);
+  it at ``pcie_gbs`` each way (fp32 masters up for the forward and again for the backward, converted on the GPU; fp32
+  gradients down);
 - the CPU optimizer steps ``cpu_params_per_s`` parameters a second, or the disk moves the NVMe tier's state (read and
-  written back) at ``disk_gbs``; each accumulated micro-batch adds its gradients into the host's at
-  ``cpu_accumulate_params_per_s``;
+  written back) at ``disk_gbs``; a micro-batch after a window's first brings the retained fp32 gradients back up to
+  add its own on the GPU (4 more bytes up per trained parameter);
 - schedule "backward" updates while the backward runs, so the CPU starts when the forward ends; "forward" updates
   after the backward, overlapping the next forward; "norm-first" runs a second backward that streams the updates;
 - a streamed step also spends ``stream_start_s`` at its start, waiting for the last updates and the window's first
@@ -29,7 +30,6 @@ class Rates:
         gpu_tflops: bf16 matmul rate in training, attention included (sequences of 4096).
         pcie_gbs: host-device copies, each way (GB/s).
         cpu_params_per_s: torch's fused CPU AdamW, all cores but one.
-        cpu_accumulate_params_per_s: adding a micro-batch's fp32 gradients into the host's.
         disk_gbs: the NVMe tier's reads and writes together (GB/s).
         stream_start_s: a streamed step's start, before the window and the updates overlap the compute.
     """
@@ -37,7 +37,6 @@ class Rates:
     gpu_tflops: float = 470.0
     pcie_gbs: float = 50.0
     cpu_params_per_s: float = 3.5e9
-    cpu_accumulate_params_per_s: float = 1.5e9
     disk_gbs: float = 3.0
     stream_start_s: float = 0.1
 
@@ -64,11 +63,12 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
     backward += 4 * work.other_matmul * work.tokens / flop_s
     if schedule is None:
         return work.micro_batches * (forward + backward)
-    up = 2 * 2 * work.streamed / (rates.pcie_gbs * 1e9)  # bf16, forward and backward
+    up = 2 * 4 * work.streamed / (rates.pcie_gbs * 1e9)
+    readback = 4 * work.trained / (rates.pcie_gbs * 1e9)
     down = 4 * work.trained / (rates.pcie_gbs * 1e9)
     second = backward if schedule == "norm-first" else 0.0
-    gpu = work.micro_batches * max(forward + backward, up, down) + second
+    later = (work.micro_batches - 1) * max(forward + backward, up + readback, down)
+    gpu = max(forward + backward, up, down) + later + second
     update = max(work.trained / rates.cpu_params_per_s, work.disk_state_bytes / (rates.disk_gbs * 1e9))
-    update += (work.micro_batches - 1) * work.trained / rates.cpu_accumulate_params_per_s
     waits_for = {"backward": forward, "forward": backward, "norm-first": forward + backward}[schedule]
     return rates.stream_start_s + max(gpu, waits_for + update)

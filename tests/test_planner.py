@@ -55,6 +55,15 @@ def test_too_little_ram_is_refused_before_anything_moves(monkeypatch):
     assert {k: (v.data_ptr(), v.dtype) for k, v in module.state_dict().items()} == before
 
 
+def test_ram_already_over_the_budget_is_said_so():
+    # slide plan for 70 B on 128 GiB: the model as loaded is more than the RAM the run may take
+    GIB = 2**30
+    plan = HostPlan(masters=4 * GIB, optimizer_state=8 * GIB, retained_grads=0, landing=0, largest_unit=0,
+                    pinned=0, disk=0, activations=0)  # fmt: skip
+    with pytest.raises(MemoryError, match=r"needs 8\.00 GiB more host memory but the memory in use is 3\.00 GiB over"):
+        check_host(plan, available=-3 * GIB, memlock=None)
+
+
 def test_locked_memory_limit_is_named():
     plan = HostPlan(masters=8 << 30, optimizer_state=16 << 30, retained_grads=0, landing=2 << 30,
                     largest_unit=1 << 30, pinned=10 << 30)  # fmt: skip

@@ -88,6 +88,7 @@ def test_lora_fp32_matches_plain_peft_and_trains_only_adapters(dropout):
     }
 
 
+@pytest.mark.slow
 def test_lora_bf16_within_twice_plain_peft_bf16_error():
     lora = LoRA(r=4, alpha=8, dropout=0.1)
     ref32, _, _ = train(lora=lora)
@@ -203,6 +204,7 @@ def test_monitor_logs_throughput_and_memory_and_prints_a_summary(caplog):
     assert "placement: stream (no device budget" in caplog.text  # the plan's table
 
 
+@pytest.mark.slow
 def test_lora_base_stored_in_bf16_loads_in_bf16_and_trains_within_the_bound(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -220,6 +222,7 @@ def test_lora_base_stored_in_bf16_loads_in_bf16_and_trains_within_the_bound(tmp_
     assert global_error(ours16, ref32) <= 2 * global_error(plain16, ref32)
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_with_masters_on_nvme_loads_block_matrices_in_bf16(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -437,6 +440,7 @@ def test_export_round_trip_gives_the_same_logits(tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_lora_adapter_export_loads_back_with_peft_and_resume_works(tmp_path):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -470,7 +474,7 @@ def test_lora_adapter_export_loads_back_with_peft_and_resume_works(tmp_path):
     torch.testing.assert_close(_logits(reloaded, ids), _logits(module.model, ids), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("stop", [5, 12], ids=["mid-epoch", "next-epoch"])
+@pytest.mark.parametrize("stop", [5, pytest.param(12, marks=pytest.mark.slow)], ids=["mid-epoch", "next-epoch"])
 def test_resume_mid_epoch_continues_exactly(tmp_path, stop):
     # 24 short documents, 23 for training, packed into 21 rows: 6 batches of 4 per epoch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -509,6 +513,7 @@ def test_export_refuses_to_overwrite(tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_the_notebook_executes(monkeypatch):
     import nbclient
     import nbformat

@@ -239,6 +239,7 @@ def _head_dim_16():
     return CausalLM(tiny_config("llama", hidden_size=64, intermediate_size=128, head_dim=16))
 
 
+@pytest.mark.slow
 def test_slide_attention_training_matches_plain_sdpa():
     module = _head_dim_16()
     ref, _ = fit(module, "auto", steps=3)

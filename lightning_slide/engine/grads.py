@@ -1,10 +1,11 @@
 """Gradients from a unit's backward on the device to the host, chunk by chunk, on a sender thread.
 
 Each gradient leaves through the device staging chunks (upcast to fp32 on the device) into a pinned landing buffer
-from a pool, for the CPU worker to apply (streamed) or add into the retained gradient, or straight into the retained
-host buffer where it is the window's first contribution (``updates.py``). The copies are issued by the sender thread,
-so the backward pass never waits for a free landing buffer while the CPU catches up; it waits only when the
-gradients queued on the device exceed ``max_queued_bytes``.
+from a pool, for the CPU worker to apply (streamed), or straight into the retained host buffer (``updates.py``). A
+later contribution to a retained gradient is added in the staging chunk to the rows brought back up from that buffer
+(PCIe has room where the CPU has none), and the sum goes back into it, or to its update. The copies are issued by
+the sender thread, so the backward pass never waits for a free landing buffer while the CPU catches up; it waits only
+when the gradients queued on the device exceed ``max_queued_bytes``.
 
 Contributions from a unit that does not own a parameter (the output head of a model with tied embeddings) wait on
 the device until the owner's backward adds its own, so every parameter is moved and updated once.
@@ -48,6 +49,9 @@ class GradSender:
         self.updates = updates
         self.routes: dict[nn.Parameter, Route] = {}  # parameters sent by a route of their own, this step
         self.download_bytes = 0
+        self.upload_bytes = 0  # retained rows brought back up to add a later contribution
+        self._landed: dict[nn.Parameter, object] = {}  # the copy that brought a retained gradient's rows back
+        self._window_ok: dict[Unit, Tensor] = {}  # on the device: the window's earlier contributions were finite
         self.max_queued_bytes = max_queued_bytes
         self._stash: dict[nn.Parameter, list[Contribution]] = {}  # waiting for the owner's contribution
         self._owner_of: dict[nn.Parameter, Unit] = {}
@@ -179,19 +183,23 @@ class GradSender:
             for owner in owners:
                 if owner.update_done is not None:
                     owner.update_done.result()  # the previous update no longer reads the retained buffers
-        streamed = plan is not None and not updates.retain
+        # the updates stream with the window's last backward, accumulated gradients too (schedule "backward")
+        streamed = plan is not None
         if streamed:
             updates.optimizer.prefetch([p for _, p, _ in ready])
         with tr.converting(event):
-            if streamed and not plan.norm_checked:  # "norm-first" found the norm finite
-                for owner in owners:
-                    flag, flag_event = self._finite_flag(owner, [c for o, _, cs in ready if o is owner for c in cs])
+            for owner in owners:
+                contributions = [c for o, _, cs in ready if o is owner for c in cs]
+                if streamed and not plan.norm_checked:  # "norm-first" found the norm finite
+                    flag, flag_event = self._finite_flag(owner, contributions)
                     self.worker.submit(check_finite, flag, plan, owner.name, after=flag_event)
+                elif not streamed and updates.retain:
+                    self._window_finite(owner, contributions)
             for owner, param, contributions in ready:
                 if param in self.routes:
-                    self.routes[param](contributions, plan if streamed else None)
+                    self.routes[param](contributions, plan)
                 else:
-                    self._send_param(owner, param, contributions, plan if streamed else None)
+                    self._send_param(owner, param, contributions, plan)
                 for c in contributions:
                     for t in _tensors(c):
                         tr.keep_alive(t)
@@ -199,7 +207,7 @@ class GradSender:
             updates.pending.add(param)
         if plan is not None:
             for owner in owners:
-                updates.schedule(owner, plan, check_finite=True, streamed=streamed)
+                updates.schedule(owner, plan, check_finite=True, streamed=[p for o, p, _ in ready if o is owner])
 
     def _send_param(
         self, owner: Unit, param: nn.Parameter, contribs: list[Contribution], plan: StepPlan | None
@@ -207,15 +215,22 @@ class GradSender:
         tr, updates = self.transfer, self.updates
         direct = updates.retain and updates.take_fresh(owner, param)
         compact = param in updates.compact
+        # a later contribution is added on the device, into the retained rows brought up for it, so an accumulated
+        # micro-batch costs PCIe time, not a CPU pass over the gradients; a buffer the worker is still widening
+        # takes the landing path
+        readback = updates.retain and not direct and not compact
         if compact and not (direct and len(contribs) == 1 and _dtype(contribs[0]) == updates.host[param].dtype):
             updates.widen(param, keep=not direct)
             compact = False
-        if direct:
+        into_host = (direct or readback) and plan is None  # else the sum streams to its update
+        if into_host:
             updates.device_sq[param] = torch.zeros((), dtype=torch.float32, device=tr.device)
         else:
             updates.device_sq.pop(param, None)
+        if readback:
+            tr.wait(self._landed.get(param))  # the previous contribution's rows are back on the host
         for cut, shape, last in updates.chunks(param):
-            landing = None if direct else tr.take_landing(self.worker.raise_if_failed)
+            landing = None if into_host else tr.take_landing(self.worker.raise_if_failed)
             numel = math.prod(shape)
             stage = tr.down_stage(numel)
             if compact:  # the bf16 gradient as it came, in the first half of the fp32 chunk
@@ -224,17 +239,22 @@ class GradSender:
                 flat = stage.view(-1).float()
             else:
                 stage = stage.view(shape)
-                combine(stage, contribs, cut)
+                if readback:
+                    stage.copy_(rows_of(updates.host[param], cut), non_blocking=True)
+                    self.upload_bytes += 4 * numel
+                combine(stage, contribs, cut, add=readback)
                 flat = stage.view(-1)
-            if direct:
+            if into_host:
                 updates.device_sq[param] += torch.dot(flat, flat)
-            target = rows_of(updates.host[param], cut) if direct else landing[:numel].view(shape)
+            target = rows_of(updates.host[param], cut) if into_host else landing[:numel].view(shape)
             event = tr.download(stage, target)
             self.download_bytes += stage.element_size() * numel
             if plan is not None:
                 self.worker.submit(updates.apply_chunk, param, cut, landing, target, plan, last, after=event)
             else:
                 self.worker.submit(updates.absorb_chunk, param, cut, landing, target, after=event)
+        if into_host:
+            self._landed[param] = event
 
     def land(self, part: Tensor, target: Tensor | None = None) -> tuple[Tensor | None, Tensor, object]:
         """Copy the device rows ``part`` through a staging chunk into the host tensor ``target``, or into a landing
@@ -250,18 +270,34 @@ class GradSender:
         self.download_bytes += 4 * part.numel()
         return landing, target, event
 
+    def window_done(self) -> None:
+        """The accumulation window is over (its updates are queued, or it was skipped)."""
+        self._window_ok.clear()
+
+    def _window_finite(self, owner: Unit, contributions: list[Contribution]) -> None:
+        # whether the window's earlier contributions were finite, for the check when the last one streams
+        ok = self._window_ok.setdefault(owner, torch.ones((), dtype=torch.bool, device=self.transfer.device))
+        ok &= _all_finite(contributions, self.transfer.device)
+
     def _finite_flag(self, owner: Unit, contributions: list[Contribution]) -> tuple[Tensor, object]:
-        ok = torch.ones((), dtype=torch.bool, device=self.transfer.device)
-        for c in contributions:
-            t = c.values if isinstance(c, Rows) else c
-            if t.numel():
-                lo, hi = torch.aminmax(t)
-                ok &= torch.isfinite(lo) & torch.isfinite(hi)
+        ok = _all_finite(contributions, self.transfer.device)
+        if owner in self._window_ok:
+            ok &= self._window_ok.pop(owner)
         if owner not in self._flags:
             self._flags[owner] = self.transfer.host_empty(1, torch.bool)
         flag = self._flags[owner]
         flag.copy_(ok.view(1), non_blocking=True)
         return flag, self.transfer.record()  # on the conversion stream
+
+
+def _all_finite(contributions: list[Contribution], device: torch.device) -> Tensor:
+    ok = torch.ones((), dtype=torch.bool, device=device)
+    for c in contributions:
+        t = c.values if isinstance(c, Rows) else c
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            ok &= torch.isfinite(lo) & torch.isfinite(hi)
+    return ok
 
 
 def _dtype(c: Contribution) -> torch.dtype:
@@ -272,9 +308,9 @@ def _tensors(c: Contribution) -> tuple[Tensor, ...]:
     return (c.index, c.values) if isinstance(c, Rows) else (c,)
 
 
-def combine(stage: Tensor, contributions: list[Contribution], cut: slice | None) -> None:
-    """Write the fp32 sum of the contributions' rows ``cut`` into ``stage`` (on the device)."""
-    for k, c in enumerate(contributions):
+def combine(stage: Tensor, contributions: list[Contribution], cut: slice | None, *, add: bool = False) -> None:
+    """Write the fp32 sum of the contributions' rows ``cut`` into ``stage`` (on the device), or add it (``add``)."""
+    for k, c in enumerate(contributions, start=int(add)):
         if isinstance(c, Rows):
             if k == 0:
                 stage.zero_()

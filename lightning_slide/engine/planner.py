@@ -129,8 +129,14 @@ def check_host(
             if plan.retained_grads
             else ""
         )
+        # negative where what is already loaded (the model) exceeds the RAM the run may take
+        left = (
+            f"only {available / GIB:.2f} GiB is"
+            if available >= 0
+            else f"the memory in use is {-available / GIB:.2f} GiB over what is"
+        )
         raise MemoryError(
-            f"SlideFormer needs {plan.added / GIB:.2f} GiB more host memory but only {available / GIB:.2f} GiB is"
+            f"SlideFormer needs {plan.added / GIB:.2f} GiB more host memory but {left}"
             f" available ({plan.describe()}). Move the optimizer state to disk (SlideFormerStrategy(nvme_path=...)"
             " or $SLIDE_NVME_PATH: optimizer_offload='auto' then puts it there), train fewer parameters (LoRA:"
             f" CausalLMModule(lora=...)),{retained} or free RAM."

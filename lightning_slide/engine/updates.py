@@ -3,22 +3,24 @@ global norm and clipping, and the update tasks the CPU worker runs.
 
 Two ways a gradient reaches its update (``grads.py`` moves it):
 
-- **streamed** (schedules "backward" and "norm-first", no accumulation): each chunk lands in a pinned buffer from a
-  pool and the worker applies the optimizer to those rows at once (:meth:`Updates.apply_chunk`). No full gradient ever
-  exists in host memory.
+- **streamed** (schedules "backward" and "norm-first"): each chunk lands in a pinned buffer from a pool and the worker
+  applies the optimizer to those rows at once (:meth:`Updates.apply_chunk`). Without accumulation no full gradient
+  ever exists in host memory.
 - **retained** (accumulation, or schedule "forward" for exact global-norm clipping): gradients are kept in host
-  buffers (:attr:`Updates.host`) for the whole accumulation window. The first contribution is copied straight into
-  them, later ones are added by the worker (:meth:`Updates.absorb_chunk`); :meth:`Updates.schedule` queues the update
-  once the window is complete. ``compact`` parameters (one bf16 contribution per window) keep theirs in bf16, which
-  holds it exactly; the update widens it to fp32 a chunk at a time. One that receives a second contribution (a block
-  that ran twice) is widened to fp32 for the rest of the run.
+  buffers (:attr:`Updates.host`) for the window. The first contribution is copied straight into them; a later one is
+  added on the device to the rows brought back up from them (``grads.py``), so the CPU never adds gradients. With
+  "backward", the window's last backward streams those sums to their update; otherwise :meth:`Updates.schedule` queues
+  the update once the window is complete. ``compact`` parameters (one bf16 contribution per window) keep theirs in
+  bf16, which holds it exactly; the update widens it to fp32 a chunk at a time. One that receives a second
+  contribution (a block that ran twice) is widened to fp32 for the rest of the run, its second contribution added by
+  the worker (:meth:`Updates.absorb_chunk`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -179,14 +181,14 @@ class Updates:
         plan: StepPlan,
         *,
         check_finite: bool,
-        streamed: bool = False,
+        streamed: Collection[nn.Parameter] = (),
         run: Callable[[StepPlan, bool], Future] | None = None,
     ) -> None:
         """Queue the update of ``owner``'s parameters that have gradients in this window (main thread).
 
         Args:
             check_finite: refuse NaN/Inf gradients (not needed when the global norm was found finite).
-            streamed: the chunks already carry the update; only the bookkeeping is left.
+            streamed: parameters whose chunks already carry the update; only the bookkeeping is left for them.
             run: queues the update itself and returns its future (the split embedding's touched rows).
         """
         params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p in self.pending]
@@ -200,13 +202,16 @@ class Updates:
             if self.retain:
                 self.fresh[p] = True
         owner.version += 1
-        if streamed:  # after its chunks
+        # a retained gradient with no contribution in the window's last backward did not stream: it is applied here
+        streamed = set(streamed)
+        rest = [p for p in params if p not in streamed]
+        if not rest:  # after its chunks
             owner.update_done = self.worker.submit(_streamed_done, plan, owner.name)
         elif run is not None:
             owner.update_done = run(plan, check_finite)
         else:
-            self.optimizer.prefetch(params)
-            owner.update_done = self.worker.submit(self._update, owner.name, params, plan, check_finite)
+            self.optimizer.prefetch(rest)
+            owner.update_done = self.worker.submit(self._update, owner.name, rest, plan, check_finite)
 
     def count(self, plan: StepPlan) -> None:
         """One more update of ``plan``'s step is queued (main thread)."""
