@@ -9,28 +9,133 @@ SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by 
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import os
+import re
+import shlex
 import sys
+from typing import NoReturn
 
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import ArgumentParser
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from .data import TextDataModule
+from .display import use_slide_display
 from .module import CausalLMModule, check_vocab
 from .monitor import SlideMonitor
+
+COMMANDS = {
+    "fit": "train a model (a recipe: --config recipes/<name>.yaml)",
+    "validate": "one pass over the validation data",
+    "test": "one pass over the test data",
+    "predict": "run the model over the prediction data",
+    "export": "write a checkpoint as a Hugging Face model directory (or a LoRA adapter)",
+    "plan": "plan a run's memory and step time from its config alone, no GPU or weights needed",
+}
+
+
+def overview() -> str:
+    """What bare ``slide`` and ``slide --help`` print: the commands, one line each."""
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, text in COMMANDS.items()]
+    return (
+        "usage: slide <command> [options]\n\ncommands:\n"
+        + "\n".join(lines)
+        + "\n\n`slide <command> --help` for its options.\n"
+    )
+
+
+class SlideParser(LightningArgumentParser):
+    """Lightning's parser, without abbreviated options (``--trainer.max_step`` is not ``max_steps``) and with errors
+    in at most three lines: what was wrong, the closest valid options, and where to find them all."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        last = parser.prog.split()[-1]
+        command = f"slide {last}" if last in COMMANDS else "slide"
+        sys.stderr.write("\n".join(short_error(parser, message, command)[:3]) + "\n")
+        self.exit(2)
+
+
+def short_error(parser: ArgumentParser, message: str, command: str) -> list[str]:
+    """The lines of a CLI error: the unknown option with the closest known ones, or the message's first lines."""
+    options = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    unknown = re.search(r"unrecognized arguments: (--\S+)", message)
+    in_config = re.search(r"does not accept option '([^']+)'", message)
+    in_class = re.search(
+        r'Parser key "([^"]+)".*class_path \'([\w.]+)\'.*Option \'(\w+)\' is not accepted', message, re.S
+    )
+    choice = re.search(r"invalid choice: '([^']*)'", message)
+    what = "key" if in_config else "option"
+    if unknown:
+        bad, known = unknown.group(1), options
+    elif in_config:
+        bad, known = in_config.group(1), [o[2:] for o in options]
+    elif in_class:
+        key, path, name = in_class.groups()
+        bad, known = f"--{key}.{name}", [f"--{key}.{n}" for n in _init_args(path)]
+    elif choice:
+        return [
+            f"slide: no command {choice.group(1)!r}",
+            f"commands: {', '.join(COMMANDS)}",
+            "`slide --help` says what each does",
+        ]
+    else:
+        detail = " ".join(line.strip() for line in message.splitlines() if line.strip())
+        return [f"{command}: {detail}", f"`{command} --help` lists every option"]
+    close = difflib.get_close_matches(bad, known, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else f"no {what} is close to it"
+    return [f"{command}: unknown {what} {bad}", hint, f"`{command} --help` lists every option"]
+
+
+def _init_args(class_path: str) -> list[str]:
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(__import__(module, fromlist=[name]), name)
+    except (ImportError, AttributeError):
+        return []
+    return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
 
 
 class SlideCLI(LightningCLI):
     """Lightning's CLI, with the checks that need both the model and the data made before anything is written."""
 
     def instantiate_trainer(self, **kwargs):
+        config = self._get(self.config_init, "trainer", default={})
+        configured = list(config.get("callbacks") or [])  # before Lightning adds its own to that list
         trainer = super().instantiate_trainer(**kwargs)
-        if self._get(self.config_init, "trainer", default={}).get("logger") in (None, True):
+        if config.get("logger") in (None, True):
             trainer.loggers = default_loggers(trainer.default_root_dir)
+        use_slide_display(trainer, configured)
         return trainer
 
     def before_fit(self) -> None:
         vocab = self.model.vocab_size()
         if vocab is not None:
             check_vocab(len(self.datamodule.load_tokenizer()), vocab)
+
+    def after_fit(self) -> None:
+        print(export_hint(self.trainer), flush=True)
+
+
+def export_hint(trainer) -> str:
+    """The ``slide export`` command for this run's last checkpoint, alone on its line (or how to get a checkpoint)."""
+    callback = trainer.checkpoint_callback
+    ckpt = callback and (callback.last_model_path or callback.best_model_path)
+    if not ckpt:
+        return "no checkpoint was saved; to export the model, train with --trainer.enable_checkpointing true"
+    run = trainer.log_dir or trainer.default_root_dir
+    paths = [os.path.join(run, "config.yaml"), ckpt, os.path.join(run, "hf")]
+    config, ckpt, out = (p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in paths)
+    words = ["slide", "export", "--config", config, "--ckpt_path", ckpt, "--out", out]
+    return "export it with:\n" + shlex.join(words)
 
 
 def trainer_defaults() -> dict:
@@ -53,6 +158,9 @@ def default_loggers(root: str) -> list:
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``slide`` and ``python -m lightning_slide``."""
     argv = sys.argv[1:] if args is None else args
+    if not argv or argv[0] in ("-h", "--help"):
+        (sys.stdout if argv else sys.stderr).write(overview())
+        sys.exit(0 if argv else 2)
     if argv[:1] == ["export"]:
         from .export import export
 
@@ -67,5 +175,6 @@ def main(args: list[str] | None = None) -> None:
         TextDataModule,
         trainer_defaults=trainer_defaults(),
         save_config_kwargs={"overwrite": True},
+        parser_class=SlideParser,
         args=args,
     )

@@ -17,6 +17,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from .display import count_text
+from .engine.nvme import size_text
+
 GIB = 2**30
 # dense bf16 tensor-core peaks (FLOP/s), most specific names first
 DENSE_BF16_PEAKS = (
@@ -74,7 +77,7 @@ class SlideMonitor(L.Callback):
         trainable = sum(p.numel() for p in params if p.requires_grad)
         strategy = trainer.strategy
         lines = [
-            f"model: {sum(p.numel() for p in params) / 1e9:.3f} B parameters, {trainable / 1e9:.3f} B trainable",
+            f"model: {count_text(sum(p.numel() for p in params))} parameters, {count_text(trainable)} trainable",
             f"strategy: {type(strategy).__name__}, precision {trainer.precision}, device {strategy.root_device}",
         ]
         engine = getattr(strategy, "engine", None)
@@ -85,8 +88,8 @@ class SlideMonitor(L.Callback):
             )
         if (plan := getattr(strategy, "plan", None)) is not None:
             lines += plan.table().splitlines()
-        host_params = sum(p.numel() * p.element_size() for p in params) / GIB
-        lines.append(f"host: {host_params:.2f} GiB of parameters, {_host_gib():.2f} GiB resident now")
+        host_params = sum(p.numel() * p.element_size() for p in params)
+        lines.append(f"host: {size_text(host_params)} of parameters, {_host_gib():.2f} GiB resident now")
         rank_zero_info("SlideFormer run\n  " + "\n  ".join(lines))
         # what MFU needs, once: the model's FLOPs per token and the GPU's peak
         device = strategy.root_device

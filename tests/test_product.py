@@ -192,6 +192,37 @@ def test_dense_bf16_peaks_by_device_name(name, peak):
     assert dense_bf16_peak(name) == peak
 
 
+def test_counts_read_as_people_write_them():
+    from lightning_slide.display import count_text
+
+    assert [count_text(n) for n in (12, 793_472, 124_439_808, 8_030_261_248, 123_000_000_000)] == [
+        "12", "793 K", "124 M", "8.03 B", "123 B"]  # fmt: skip
+
+
+def test_the_command_shows_no_epoch_bound_no_version_and_no_flops(tmp_path, caplog):
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_slide.display import SlideModelSummary, SlideRichProgressBar, SlideTQDMProgressBar, use_slide_display
+
+    trainer = L.Trainer(max_steps=5, logger=CSVLogger(tmp_path), default_root_dir=tmp_path)  # a version: v_num
+    use_slide_display(trainer, configured=[])
+    bar, module = trainer.progress_bar_callback, CausalLMModule(config=TINY)
+    bar.setup(trainer, module, "fit")
+    assert type(bar) in (SlideRichProgressBar, SlideTQDMProgressBar)
+    if isinstance(bar, RichProgressBar):
+        assert bar._get_train_description(1) == "Epoch 1"  # Lightning's: "Epoch 1/-2" for a max_steps run
+    assert "v_num" not in bar.get_metrics(trainer, module)
+    with caplog.at_level("INFO"):
+        SlideModelSummary().on_fit_start(trainer, module)
+    assert "FLOPs" not in caplog.text
+    assert "Params" in caplog.text
+    mine = TQDMProgressBar(refresh_rate=5)
+    trainer = L.Trainer(max_steps=5, logger=False, callbacks=[mine], default_root_dir=tmp_path)
+    use_slide_display(trainer, configured=[mine])
+    assert trainer.progress_bar_callback is mine  # a bar the user configured stays
+
+
 def test_monitor_logs_throughput_and_memory_and_prints_a_summary(caplog):
     with caplog.at_level("INFO"):
         _, _, metrics = train(SlideFormerStrategy(num_slots=2), steps=4, accumulate_grad_batches=2,
@@ -410,12 +441,14 @@ def test_bad_input_is_one_clear_message_and_a_nonzero_exit(tmp_path, capsys, ove
 
 
 def _fit_quickstart(root, *extra):
-    """The quickstart recipe, shrunk for the interpreter, with checkpoints; returns the last checkpoint's path."""
+    """The quickstart recipe, shrunk for the interpreter, with checkpoints; returns the path of its checkpoint (one
+    another ModelCheckpoint in ``extra`` wrote, else the recipe's last.ckpt)."""
     slide(["fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--trainer.max_steps", "3",
            "--trainer.default_root_dir", str(root), "--trainer.enable_checkpointing", "true",
            "--trainer.enable_progress_bar", "false", "--trainer.val_check_interval", "3", "--data.seq_len", "32",
            "--data.batch_size", "2", *extra])  # fmt: skip
-    (ckpt,) = glob.glob(str(root / "lightning_logs" / "*" / "checkpoints" / "*.ckpt"))
+    found = glob.glob(str(root / "lightning_logs" / "*" / "checkpoints" / "*.ckpt"))
+    (ckpt,) = [c for c in found if not c.endswith("last.ckpt")] or found
     return ckpt
 
 
@@ -424,20 +457,28 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-def test_export_round_trip_gives_the_same_logits(tmp_path):
+def test_fit_prints_the_export_command_that_round_trips_the_weights_quietly(tmp_path, capsys):
+    import shlex
+
     from transformers import AutoModelForCausalLM
 
     ckpt = _fit_quickstart(tmp_path / "run")
-    slide(["export", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--ckpt_path", ckpt,
-           "--out", str(tmp_path / "hf")])  # fmt: skip
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("slide export ")]
+    words = shlex.split(line)
+    assert words[words.index("--ckpt_path") + 1] == ckpt
+    assert words[words.index("--config") + 1].endswith("config.yaml")
+    slide(words[1:])
+    out = words[words.index("--out") + 1]
+    printed = capsys.readouterr()
+    assert printed.out == f"wrote {out}\n"
+    assert printed.err == ""
+    exported = AutoModelForCausalLM.from_pretrained(out)
     module = CausalLMModule(config=dict(TINY, hidden_size=128, intermediate_size=344, max_position_embeddings=256))
     module.configure_model()
     module.load_state_dict(torch.load(ckpt, weights_only=True)["state_dict"])
     ids = torch.randint(0, 262, (2, 17))
     torch.testing.assert_close(_logits(exported, ids), _logits(module.causal_lm, ids), rtol=0, atol=0)
-    assert (tmp_path / "hf" / "model.safetensors").exists()
-    assert (tmp_path / "hf" / "tokenizer.json").exists()
+    assert os.path.exists(os.path.join(out, "tokenizer.json"))
 
 
 @pytest.mark.slow
@@ -502,6 +543,53 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, stop):
     assert err == 0, f"{where}: {err:.2e}"
 
 
+def test_fit_without_a_checkpoint_says_how_to_get_one(tmp_path, capsys):
+    slide(["fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--trainer.max_steps", "1",
+           "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]",
+           "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false", "--data.seq_len", "32",
+           "--data.batch_size", "2"])  # fmt: skip
+    assert "to export the model, train with --trainer.enable_checkpointing true" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [[], ["--help"]])
+def test_slide_lists_every_command(capsys, args):
+    with pytest.raises(SystemExit) as info:
+        slide(args)
+    assert info.value.code == (0 if args else 2)
+    text = capsys.readouterr()
+    shown = text.out if args else text.err
+    for command in ("fit", "validate", "test", "predict", "export", "plan"):
+        assert f"\n  {command} " in shown
+
+
+@pytest.mark.parametrize(
+    ("override", "first", "second"),
+    [
+        (["--trainer.max_stepz", "20"], "unknown option --trainer.max_stepz", "did you mean --trainer.max_steps"),
+        # no prefix abbreviation
+        (["--trainer.max_step", "2"], "unknown option --trainer.max_step", "did you mean --trainer.max_steps"),
+        (["--model.lora.rr", "16"], "unknown option --model.lora.rr", "did you mean --model.lora.r"),
+        ("yaml", "unknown key trainer.max_stepz", "did you mean trainer.max_steps"),
+        (["--trainer.max_steps", "abc"], "trainer.max_steps\": Expected a <class 'int'>. Got value: abc", "--help"),
+    ],
+)
+def test_a_mistyped_option_is_at_most_three_lines(tmp_path, capsys, override, first, second):
+    recipe = os.path.join(ROOT, "recipes", "quickstart.yaml")
+    if override == "yaml":
+        bad = tmp_path / "bad.yaml"
+        with open(recipe) as f:
+            bad.write_text(f.read().replace("max_steps: 150", "max_stepz: 150"))
+        recipe, override = str(bad), []
+    with pytest.raises(SystemExit) as info:
+        slide(["fit", "--config", recipe, *override])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) <= 3
+    assert lines[0].startswith("slide fit: ")
+    assert first in lines[0]
+    assert second in lines[1]
+
+
 def test_export_refuses_to_overwrite(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
@@ -525,6 +613,7 @@ def test_the_notebook_executes(monkeypatch):
     ).execute()
     outputs = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
     assert "val/accuracy" in outputs
+    assert "ipywidgets" not in outputs  # with the notebook extra, the progress bar has its widgets
 
 
 def test_the_command_logs_to_csv_and_to_tensorboard_when_installed(tmp_path):
