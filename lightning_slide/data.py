@@ -1,5 +1,6 @@
-"""``TextDataModule``: JSONL documents (``text``, or chat ``messages``) tokenized, packed and split for causal-LM
-training — and a built-in corpus and byte-level tokenizer, so the quickstart needs no network.
+"""``TextDataModule``: documents (``text``, or chat ``messages``) tokenized, packed and split for causal-LM
+training — from JSONL, or through the ``datasets`` library from parquet, CSV, a ``save_to_disk`` folder or the hub —
+and a built-in corpus and byte-level tokenizer, so the quickstart needs no network.
 
 Packing concatenates documents into rows of ``seq_len`` tokens. Each document's positions restart at 0, which is
 how packed batches reach the attention kernel (``attn_implementation="slide"`` runs one variable-length kernel,
@@ -59,9 +60,28 @@ def builtin_documents(n: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
     return docs
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """Documents from a JSONL file; each line needs ``text`` (a string) or ``messages`` (a list of turns)."""
-    docs = []
+DATASET_FILES = {".parquet": "parquet", ".csv": "csv"}  # read through `datasets`; any other file is JSONL
+
+
+def read_documents(path: str, split: str = "train", text_field: str = "text",
+                   messages_field: str = "messages") -> list[dict[str, Any]]:  # fmt: skip
+    """Documents from a JSONL file, or through ``datasets`` from a parquet or CSV file, a ``save_to_disk``
+    folder (its ``split``) or a hub dataset (its ``split``); each needs ``text_field`` (a string) or
+    ``messages_field`` (a list of ``{'role', 'content'}`` turns)."""
+    local = os.path.expanduser(path)
+    if os.path.isfile(local) and os.path.splitext(local)[1] not in DATASET_FILES:
+        lines = _jsonl_lines(local)
+        docs = [document(raw, f"{local}, line {n}", text_field, messages_field) for n, raw in lines]
+    else:
+        rows = _dataset(path, split)
+        docs = [document(row, f"{path}, row {i}", text_field, messages_field) for i, row in enumerate(rows)]
+    if not docs:
+        raise ValueError(f"{path} holds no documents.")
+    return docs
+
+
+def _jsonl_lines(path: str) -> list[tuple[int, Any]]:
+    lines = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
@@ -72,24 +92,54 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                doc = json.loads(line)
+                lines.append((number, json.loads(line)))
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}, line {number}: not valid JSON ({err.msg}).") from None
-            if not isinstance(doc, dict) or not (
-                isinstance(doc.get("text"), str) or isinstance(doc.get("messages"), list)
-            ):
-                raise ValueError(
-                    f"{path}, line {number}: each line needs a 'text' string or a 'messages' list of"
-                    " {'role', 'content'} turns."
-                )
-            if "text" not in doc and (bad := _bad_turn(doc["messages"])) is not None:
-                raise ValueError(
-                    f"{path}, line {number}: turn {bad} of 'messages' is not a {{'role': str, 'content': str}} object."
-                )
-            docs.append(doc)
-    if not docs:
-        raise ValueError(f"{path} holds no documents.")
-    return docs
+    return lines
+
+
+def document(raw: Any, where: str, text_field: str, messages_field: str) -> dict[str, Any]:
+    """One document as ``{"text": ...}`` or ``{"messages": ...}``, from a record with those fields."""
+    text = raw.get(text_field) if isinstance(raw, dict) else None
+    messages = raw.get(messages_field) if isinstance(raw, dict) else None
+    if isinstance(text, str):
+        return {"text": text}
+    if not isinstance(messages, list):
+        raise ValueError(
+            f"{where}: each document needs a '{text_field}' string or a '{messages_field}' list of"
+            " {'role', 'content'} turns (TextDataModule(text_field=..., messages_field=...) name other fields)."
+        )
+    if (bad := _bad_turn(messages)) is not None:
+        raise ValueError(f"{where}: turn {bad} of '{messages_field}' is not a {{'role': str, 'content': str}} object.")
+    return {"messages": messages}
+
+
+def _dataset(path: str, split: str):
+    """Rows of a parquet or CSV file, a ``save_to_disk`` folder or a hub dataset, through ``datasets``."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            f"data path {path!r}: parquet, CSV, saved and hub datasets are read with the `datasets` library:"
+            " pip install 'lightning-slide[data]'."
+        ) from None
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        loaded = datasets.load_from_disk(local)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"data path {path!r} has no split {split!r}; it has {', '.join(loaded)} (split=...).")
+            loaded = loaded[split]
+        return loaded
+    if os.path.isfile(local):
+        return datasets.load_dataset(DATASET_FILES[os.path.splitext(local)[1]], data_files=local, split="train")
+    try:
+        return datasets.load_dataset(path, split=split)
+    except Exception as err:  # offline, unknown name, no such split: datasets' own errors vary
+        raise ValueError(
+            f"data path {path!r} is not a local file or folder, and the hub dataset of that name could not be loaded"
+            f" (split {split!r}): {type(err).__name__}: {err}"
+        ) from err
 
 
 def _bad_turn(messages: list) -> int | None:
@@ -146,6 +196,15 @@ def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) ->
         return torch.tensor(values, dtype=torch.long).view(rows, seq_len)
 
     return {"input_ids": as_rows(ids), "labels": as_rows(labels), "position_ids": as_rows(positions)}
+
+
+def _missing_local(path: str) -> bool:
+    # a path that names a local file or folder (not a hub dataset "owner/name") but is not there
+    local = os.path.expanduser(path)
+    looks_local = (
+        os.path.isabs(local) or path.startswith(".") or os.path.splitext(path)[1] in (*DATASET_FILES, ".jsonl")
+    )
+    return looks_local and not os.path.exists(local)
 
 
 def _missing_directory(name: str | None) -> bool:
@@ -222,16 +281,21 @@ class ResumableSampler(Sampler[int]):
 
 
 class TextDataModule(L.LightningDataModule):
-    """JSONL documents, tokenized and packed into rows, with a train/validation split.
+    """Documents, tokenized and packed into rows, with a train/validation split.
 
     Args:
-        path: a JSONL file with a ``text`` or ``messages`` field per line; ``None``: the built-in corpus.
+        path: a JSONL file with a ``text`` or ``messages`` field per line; a parquet or CSV file, a folder
+            written by ``datasets``' ``save_to_disk`` or a hub dataset name (these through ``datasets``: ``pip
+            install 'lightning-slide[data]'``); ``None``: the built-in corpus.
         tokenizer: hub id or local directory for ``AutoTokenizer``; ``None``: the built-in byte-level tokenizer
             (262 tokens: give the model ``vocab_size >= 262``).
         seq_len: tokens per row.
         batch_size: rows per batch.
         val_fraction: share of documents held out for validation (0: no validation).
         seed: seed of the split and the shuffling.
+        split: the split of a hub dataset or of a saved ``DatasetDict`` (a file is one split).
+        text_field: the field of plain text.
+        messages_field: the field of chat turns (``{'role', 'content'}``), rendered by the tokenizer's chat template.
 
     A run resumed from a checkpoint taken mid-epoch continues with exactly the batches it had not yet seen
     (the checkpoint records the epoch and how many batches of it were consumed). Training batches also carry
@@ -247,10 +311,16 @@ class TextDataModule(L.LightningDataModule):
         batch_size: int = 8,
         val_fraction: float = 0.05,
         seed: int = 0,
+        split: str = "train",
+        text_field: str = "text",
+        messages_field: str = "messages",
     ) -> None:
         super().__init__()
-        if path is not None and not os.path.isfile(os.path.expanduser(path)):
-            raise FileNotFoundError(f"data path {path!r}: no such file. Give a JSONL file (or no path: built-in data).")
+        if path is not None and _missing_local(path):
+            raise FileNotFoundError(
+                f"data path {path!r}: no such file or folder. Give a JSONL, parquet or CSV file, a folder written by"
+                " datasets' save_to_disk, a hub dataset name, or no path (built-in data)."
+            )
         if _missing_directory(tokenizer):
             raise FileNotFoundError(f"tokenizer={tokenizer!r}: no such directory.")
         if seq_len < 2 or batch_size < 1 or not 0 <= val_fraction < 1:
@@ -259,6 +329,7 @@ class TextDataModule(L.LightningDataModule):
                 f" {val_fraction}."
             )
         self.path, self.tokenizer_name = path, tokenizer
+        self.split, self.text_field, self.messages_field = split, text_field, messages_field
         self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
         self.tokenizer = None
         self.train_rows: dict[str, Tensor] | None = None
@@ -273,7 +344,11 @@ class TextDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.train_rows is not None:
             return
-        docs = read_jsonl(os.path.expanduser(self.path)) if self.path else builtin_documents(seed=self.seed)
+        docs = (
+            read_documents(self.path, self.split, self.text_field, self.messages_field)
+            if self.path
+            else builtin_documents(seed=self.seed)
+        )
         self.load_tokenizer()
         order = list(range(len(docs)))
         random.Random(self.seed).shuffle(order)

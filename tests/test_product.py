@@ -357,7 +357,7 @@ def test_jsonl_text_and_messages(tmp_path):
 @pytest.mark.parametrize(
     ("content", "match"),
     [
-        ('{"text": "fine"}\n{"prompt": "no text"}\n', r"line 2: each line needs a 'text' string or a 'messages'"),
+        ('{"text": "fine"}\n{"prompt": "no text"}\n', r"line 2: each document needs a 'text' string or a 'messages'"),
         ('{"text": "fine"}\n\n{"text": broken\n', r"line 3: not valid JSON"),
         (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', r"line 2: not UTF-8 \(byte 13: b'\\xe9'\)"),
         ('{"messages": [{"role": "user", "content": "hi"}, {"content": "?"}]}\n', r"line 1: turn 1 of 'messages'"),
