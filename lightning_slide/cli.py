@@ -4,6 +4,7 @@ SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by 
 
     slide fit --config recipes/quickstart.yaml --trainer.max_steps 20
     slide export --config recipes/quickstart.yaml --ckpt_path <checkpoint> --out <directory>
+    slide generate --config <run>/config.yaml --ckpt_path <checkpoint> --prompt "3 plus 4 is"   # generate.py
     slide plan --config recipes/llama3_1_8b_full.yaml --gpu-memory 24 --host-memory 128   # plan_command.py
 """
 
@@ -31,6 +32,7 @@ COMMANDS = {
     "test": "one pass over the test data",
     "predict": "run the model over the prediction data",
     "export": "write a checkpoint as a Hugging Face model directory (or a LoRA adapter)",
+    "generate": "continue a prompt with a checkpoint's model, streamed to the terminal",
     "plan": "plan a run's memory and step time from its config alone, no GPU or weights needed",
 }
 
@@ -95,6 +97,13 @@ def short_error(parser: ArgumentParser, message: str, command: str) -> list[str]
     return [f"{command}: unknown {what} {bad}", hint, f"`{command} --help` lists every option"]
 
 
+def reason(err: Exception) -> str:
+    """The refusal inside an error jsonargparse wraps around it (its list of the union's failed subtypes)."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    inner = [line[2:] for line in lines if line.startswith("- ") and not line.startswith("- Expected a")]
+    return inner[-1] if inner else next((line for line in lines if line), type(err).__name__)
+
+
 def _init_args(class_path: str) -> list[str]:
     module, _, name = class_path.rpartition(".")
     try:
@@ -115,6 +124,16 @@ class SlideCLI(LightningCLI):
             trainer.loggers = default_loggers(trainer.default_root_dir)
         use_slide_display(trainer, configured)
         return trainer
+
+    def instantiate_classes(self) -> None:
+        # a class that refuses its arguments (the strategy, the module, the data) gets the parser's short error; without
+        # a subcommand (`slide plan`), the caller reports it
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, OSError, ImportError) as err:
+            if self.subcommand is None:
+                raise
+            self._subcommand_parsers[self.subcommand].error(reason(err))
 
     def before_fit(self) -> None:
         vocab = self.model.vocab_size()
@@ -165,6 +184,11 @@ def main(args: list[str] | None = None) -> None:
         from .export import export
 
         export(argv[1:])
+        return
+    if argv[:1] == ["generate"]:
+        from .generate import generate
+
+        generate(argv[1:])
         return
     if argv[:1] == ["plan"]:
         from .plan_command import plan

@@ -543,6 +543,37 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, stop):
     assert err == 0, f"{where}: {err:.2e}"
 
 
+@pytest.mark.parametrize("tier", ["ram", "nvme-masters"])
+def test_generate_streams_the_checkpoints_greedy_continuation(tmp_path, capsys, tier):
+    from lightning_slide.data import builtin_tokenizer
+
+    nvme = ["--trainer.strategy.init_args.nvme_path", str(tmp_path / "nvme"),
+            "--trainer.strategy.init_args.optimizer_offload", "nvme", "--trainer.strategy.init_args.nvme_masters",
+            "true", "--trainer.precision", "bf16-mixed"] if tier != "ram" else []  # fmt: skip
+    (tmp_path / "nvme").mkdir()
+    ckpt = _fit_quickstart(tmp_path / "run", *nvme)
+    assert os.path.isdir(ckpt) == (tier != "ram")  # the NVMe tier writes a directory checkpoint
+    (config,) = glob.glob(str(tmp_path / "run" / "lightning_logs" / "*" / "config.yaml"))
+    capsys.readouterr()
+    slide(["generate", "--config", config, "--ckpt_path", ckpt, "--prompt", "3 plus 4 is", "--max_new_tokens", "6"])
+    printed = capsys.readouterr().out
+    # the same model, loaded by hand
+    from lightning_slide.checkpoint_io import SlideCheckpointIO
+
+    module = CausalLMModule(config=dict(TINY, hidden_size=128, intermediate_size=344, max_position_embeddings=256))
+    module.configure_model()
+    module.load_state_dict(SlideCheckpointIO.load_weights(ckpt)["state_dict"])
+    tokenizer = builtin_tokenizer()
+    ids = tokenizer("3 plus 4 is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = module.causal_lm.generate(input_ids=ids, max_new_tokens=6, do_sample=False,
+                                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    assert printed == "3 plus 4 is" + tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) + "\n"
+    slide(["generate", "--config", config, "--ckpt_path", ckpt, "--chat", "--prompt", "What is 3 plus 4?",
+           "--max_new_tokens", "4", "--temperature", "0.7", "--top_p", "0.9"])  # fmt: skip
+    assert capsys.readouterr().out.endswith("\n")
+
+
 def test_fit_without_a_checkpoint_says_how_to_get_one(tmp_path, capsys):
     slide(["fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--trainer.max_steps", "1",
            "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]",
@@ -558,7 +589,7 @@ def test_slide_lists_every_command(capsys, args):
     assert info.value.code == (0 if args else 2)
     text = capsys.readouterr()
     shown = text.out if args else text.err
-    for command in ("fit", "validate", "test", "predict", "export", "plan"):
+    for command in ("fit", "validate", "test", "predict", "export", "generate", "plan"):
         assert f"\n  {command} " in shown
 
 
@@ -599,6 +630,17 @@ def test_export_refuses_to_overwrite(tmp_path):
                str(tmp_path / "x.ckpt"), "--out", str(tmp_path / "out")])  # fmt: skip
     assert info.value.code != 0
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_the_readme_pictures_regenerate_from_the_csvs(tmp_path):
+    pytest.importorskip("matplotlib")  # the plots extra (in the test extra too)
+    script = os.path.join(ROOT, "benchmarks", "plots.py")
+    subprocess.run([sys.executable, script, "--until", "2026-12-01", "--out", str(tmp_path)], check=True, timeout=300)
+    for name in ("throughput.png", "memory.png", "attention.png"):
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        with open(os.path.join(ROOT, "README.md")) as f:
+            assert f"benchmarks/results/plots/{name}" in f.read()
 
 
 @pytest.mark.slow

@@ -1,0 +1,68 @@
+"""Loss curves (GPU machine): the same training with and without the strategy, as ``slide fit`` runs it.
+
+The quickstart recipe widened (hidden 1024, 8 blocks: 0.1 B parameters) on the built-in corpus, bf16-mixed: plain
+Lightning (``--trainer.strategy auto``), ``strategy="slideformer"`` as it places the model (on a large GPU: whole on
+the device), and the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU).
+Each run is a fresh ``slide fit`` process; ``train/loss`` is logged every 5 steps. Appends one CSV row per logged
+step to --out (``plots.py`` draws them).
+
+    python benchmarks/bench_loss.py --out benchmarks/results/loss.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+from results_csv import append_row, environment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEMS = {  # name: `slide fit` overrides
+    "plain": ["--trainer.strategy", "auto"],
+    "slideformer": [],
+    "slideformer_stream": ["--trainer.strategy.init_args.placement", "stream"],
+}
+MODEL = ["--model.config.hidden_size", "1024", "--model.config.intermediate_size", "2816",
+         "--model.config.num_hidden_layers", "8", "--model.config.num_attention_heads", "16",
+         "--model.config.num_key_value_heads", "4"]  # fmt: skip
+
+
+def run(system: str, steps: int, precision: str, accelerator: str, root: str) -> list[tuple[int, float]]:
+    """``slide fit`` of one system; its (step, train/loss) points."""
+    recipe = os.path.join(ROOT, "recipes", "quickstart.yaml")
+    command = [sys.executable, "-m", "lightning_slide", "fit", "--config", recipe, "--trainer.max_steps", str(steps),
+               "--trainer.log_every_n_steps", "5", "--trainer.val_check_interval", str(steps), "--trainer.precision",
+               precision, "--trainer.accelerator", accelerator, "--trainer.default_root_dir", root,
+               "--trainer.enable_progress_bar", "false", *MODEL, *SYSTEMS[system]]  # fmt: skip
+    subprocess.run(command, check=True)
+    (metrics,) = glob.glob(os.path.join(root, "lightning_logs", "*", "metrics.csv"))
+    with open(metrics) as f:
+        return [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r.get("train/loss")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--accelerator", default="gpu")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loss.csv")
+    )
+    args = parser.parse_args()
+    env = environment() if args.accelerator == "gpu" else {"date": datetime.date.today().isoformat(), "gpu": "none"}
+    for system in args.systems.split(","):
+        with tempfile.TemporaryDirectory() as root:
+            for step, loss in run(system, args.steps, args.precision, args.accelerator, root):
+                append_row(args.out, {**env, "model": "quickstart-1024x8", "precision": args.precision,
+                                      "system": system, "step": step, "train_loss": loss})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
