@@ -67,7 +67,8 @@ class SlideParser(LightningArgumentParser):
 
 
 def short_error(parser: ArgumentParser, message: str, command: str) -> list[str]:
-    """The lines of a CLI error: the unknown option with the closest known ones, or the message's first lines."""
+    """The lines of a CLI error: the unknown option with the closest known ones, or the value refused and what
+    would be accepted."""
     options = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     unknown = re.search(r"unrecognized arguments: (--\S+)", message)
     in_config = re.search(r"does not accept option '([^']+)'", message)
@@ -90,11 +91,24 @@ def short_error(parser: ArgumentParser, message: str, command: str) -> list[str]
             "`slide --help` says what each does",
         ]
     else:
-        detail = " ".join(line.strip() for line in message.splitlines() if line.strip())
-        return [f"{command}: {detail}", f"`{command} --help` lists every option"]
+        return [f"{command}: {_bad_value(message)}", f"`{command} --help` lists every option"]
     close = difflib.get_close_matches(bad, known, n=2, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}?" if close else f"no {what} is close to it"
     return [f"{command}: unknown {what} {bad}", hint, f"`{command} --help` lists every option"]
+
+
+def _bad_value(message: str) -> str:
+    # jsonargparse's report of a value no type accepts (nested through unions), as "key: value is not T or U"
+    keys = list(dict.fromkeys(re.findall(r'Parser key "([^"]+)"', message)))
+    value = re.search(r"(?:Given|Got) value: (.*?)\s*$", message, re.M)
+    if not keys or value is None:
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())
+    tail = message[message.rfind(f'Parser key "{keys[-1]}"') :]
+    types = re.findall(r"Expected a (.+?)(?:\. Got value: .*)?$", tail, re.M)
+    names = [re.sub(r"typing\.Literal\[(.*)\]", r"one of \1", re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>", r"\1", t))
+             for t in types]  # fmt: skip
+    names = ["null" if n == "NoneType" else n for n in dict.fromkeys(names)]
+    return f"{'.'.join(keys)}: {value.group(1)} is not {' or '.join(names) or 'accepted'}"
 
 
 def reason(err: Exception) -> str:

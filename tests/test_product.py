@@ -601,7 +601,12 @@ def test_slide_lists_every_command(capsys, args):
         (["--trainer.max_step", "2"], "unknown option --trainer.max_step", "did you mean --trainer.max_steps"),
         (["--model.lora.rr", "16"], "unknown option --model.lora.rr", "did you mean --model.lora.r"),
         ("yaml", "unknown key trainer.max_stepz", "did you mean trainer.max_steps"),
-        (["--trainer.max_steps", "abc"], "trainer.max_steps\": Expected a <class 'int'>. Got value: abc", "--help"),
+        (["--trainer.max_steps", "abc"], "trainer.max_steps: abc is not int", "--help"),
+        (
+            ["--trainer.strategy.init_args.num_slots", "x"],
+            "trainer.strategy.num_slots: x is not int or one of 'auto'",
+            "--help",
+        ),
     ],
 )
 def test_a_mistyped_option_is_at_most_three_lines(tmp_path, capsys, override, first, second):
