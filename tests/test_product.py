@@ -482,7 +482,7 @@ def test_fit_prints_the_export_command_that_round_trips_the_weights_quietly(tmp_
 
 
 @pytest.mark.slow
-def test_lora_adapter_export_loads_back_with_peft_and_resume_works(tmp_path):
+def test_lora_adapter_export_loads_back_with_peft_and_resume_works(tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -513,6 +513,18 @@ def test_lora_adapter_export_loads_back_with_peft_and_resume_works(tmp_path):
     lora_b = [p for n, p in module.model.named_parameters() if "lora_B" in n]
     assert any(p.abs().sum() > 0 for p in lora_b)  # the adapters were trained (B starts at zero)
     torch.testing.assert_close(_logits(reloaded, ids), _logits(module.model, ids), rtol=0, atol=0)
+    # slide generate on the LoRA run: the adapted model's greedy continuation
+    from lightning_slide.data import builtin_tokenizer
+
+    capsys.readouterr()
+    slide(["generate", "--config", run_config, "--ckpt_path", ckpt, "--prompt", "1 plus 1 is", "--max_new_tokens", "4"])
+    tokenizer = builtin_tokenizer()
+    prompt = tokenizer("1 plus 1 is", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = reloaded.generate(input_ids=prompt, max_new_tokens=4, do_sample=False,
+                                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    expected = "1 plus 1 is" + tokenizer.decode(out[0, prompt.shape[1] :], skip_special_tokens=True) + "\n"
+    assert capsys.readouterr().out == expected
 
 
 @pytest.mark.parametrize("stop", [5, pytest.param(12, marks=pytest.mark.slow)], ids=["mid-epoch", "next-epoch"])
