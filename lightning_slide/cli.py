@@ -4,7 +4,7 @@ SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by 
 
     slide fit --config recipes/quickstart.yaml --trainer.max_steps 20
     slide export --config recipes/quickstart.yaml --ckpt_path <checkpoint> --out <directory>
-    slide generate --config <run>/config.yaml --ckpt_path <checkpoint> --prompt "3 plus 4 is"   # generate.py
+    slide generate --config <run>/config.yaml --ckpt_path <checkpoint> --prompt "seven plus five is"   # generate.py
     slide plan --config recipes/llama3_1_8b_full.yaml --gpu-memory 24 --host-memory 128   # plan_command.py
 """
 

@@ -1,8 +1,8 @@
 """``slide generate``: what a trained run's model writes after a prompt, streamed to the terminal through
 transformers' ``generate`` — to look at a checkpoint before exporting it (full, LoRA and NVMe-tier runs alike).
 
-    slide generate --config lightning_logs/version_0/config.yaml --ckpt_path .../last.ckpt --prompt "3 plus 4 is"
-    slide generate --config ... --ckpt_path ... --chat --prompt "What is 3 plus 4?"   # as a user turn
+    slide generate --config lightning_logs/version_0/config.yaml --ckpt_path .../last.ckpt --prompt "seven plus five is"
+    slide generate --config ... --ckpt_path ... --chat --prompt "what is seven plus five?"   # as a user turn
 """
 
 from __future__ import annotations
