@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 
 def count_text(n: int) -> str:
-    """A parameter count as people write it: 793 K, 124.4 M, 8.03 B."""
+    """A parameter count as people write it: 793 K, 124 M, 8.03 B."""
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
             return f"{n / size:.3g} {unit}" if n < 100 * size else f"{n / size:.0f} {unit}"
