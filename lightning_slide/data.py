@@ -198,18 +198,20 @@ def pack(docs: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int) ->
     return {"input_ids": as_rows(ids), "labels": as_rows(labels), "position_ids": as_rows(positions)}
 
 
+def _written_as_path(name: str) -> bool:
+    # a local path, not a hub id ("owner/name")
+    return name.startswith(("/", ".", "~"))
+
+
 def _missing_local(path: str) -> bool:
-    # a path that names a local file or folder (not a hub dataset "owner/name") but is not there
-    local = os.path.expanduser(path)
-    looks_local = (
-        os.path.isabs(local) or path.startswith(".") or os.path.splitext(path)[1] in (*DATASET_FILES, ".jsonl")
-    )
-    return looks_local and not os.path.exists(local)
+    """``path`` names a local file or folder (by its form, or a file's extension) and nothing is there."""
+    named = _written_as_path(path) or os.path.splitext(path)[1] in (*DATASET_FILES, ".jsonl")
+    return named and not os.path.exists(os.path.expanduser(path))
 
 
 def _missing_directory(name: str | None) -> bool:
     """``name`` is written as a local path (not a hub id) and no such directory exists."""
-    return name is not None and name.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(name))
+    return name is not None and _written_as_path(name) and not os.path.isdir(os.path.expanduser(name))
 
 
 class _Rows(Dataset):

@@ -251,7 +251,7 @@ class Step:
                 touched = split is not None and unit is self.rows.unit
                 self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
                                       run=self.rows.update_touched if touched else None)  # fmt: skip
-        else:  # a unit with gradients retained from earlier micro-batches whose backward did not run in the last
+        elif self.updates.pending:  # gradients retained from earlier micro-batches of a unit that skipped the last
             for unit in self._update_order():
                 self.updates.schedule(unit, plan, check_finite=True)
         self.sender.window_done()
