@@ -2,7 +2,8 @@
 
 The quickstart recipe widened (hidden 1024, 8 blocks: 0.1 B parameters) on the built-in corpus, bf16-mixed: plain
 Lightning (``--trainer.strategy auto``), ``strategy="slideformer"`` as it places the model (on a large GPU: whole on
-the device), and the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU).
+the device), the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU), and
+plain Lightning in fp32, the reference the bf16 runs are judged against.
 Each run is a fresh ``slide fit`` process; ``train/loss`` is logged every 5 steps. Appends one CSV row per logged
 step to --out (``plots.py`` draws them).
 
@@ -23,10 +24,11 @@ import tempfile
 from results_csv import append_row, environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = {  # name: `slide fit` overrides
-    "plain": ["--trainer.strategy", "auto"],
-    "slideformer": [],
-    "slideformer_stream": ["--trainer.strategy.init_args.placement", "stream"],
+SYSTEMS = {  # name: (`slide fit` overrides, precision; None: --precision)
+    "plain": (["--trainer.strategy", "auto"], None),
+    "slideformer": ([], None),
+    "slideformer_stream": (["--trainer.strategy.init_args.placement", "stream"], None),
+    "plain_fp32": (["--trainer.strategy", "auto"], "32-true"),
 }
 MODEL = ["--model.config.hidden_size", "1024", "--model.config.intermediate_size", "2816",
          "--model.config.num_hidden_layers", "8", "--model.config.num_attention_heads", "16",
@@ -39,7 +41,7 @@ def run(system: str, steps: int, precision: str, accelerator: str, root: str) ->
     command = [sys.executable, "-m", "lightning_slide", "fit", "--config", recipe, "--trainer.max_steps", str(steps),
                "--trainer.log_every_n_steps", "5", "--trainer.val_check_interval", str(steps), "--trainer.precision",
                precision, "--trainer.accelerator", accelerator, "--trainer.default_root_dir", root,
-               "--trainer.enable_progress_bar", "false", *MODEL, *SYSTEMS[system]]  # fmt: skip
+               "--trainer.enable_progress_bar", "false", *MODEL, *SYSTEMS[system][0]]  # fmt: skip
     subprocess.run(command, check=True)
     (metrics,) = glob.glob(os.path.join(root, "lightning_logs", "*", "metrics.csv"))
     with open(metrics) as f:
@@ -58,9 +60,10 @@ def main() -> None:
     args = parser.parse_args()
     env = environment() if args.accelerator == "gpu" else {"date": datetime.date.today().isoformat(), "gpu": "none"}
     for system in args.systems.split(","):
+        precision = SYSTEMS[system][1] or args.precision
         with tempfile.TemporaryDirectory() as root:
-            for step, loss in run(system, args.steps, args.precision, args.accelerator, root):
-                append_row(args.out, {**env, "model": "quickstart-1024x8", "precision": args.precision,
+            for step, loss in run(system, args.steps, precision, args.accelerator, root):
+                append_row(args.out, {**env, "model": "quickstart-1024x8", "precision": precision,
                                       "system": system, "step": step, "train_loss": loss})  # fmt: skip
 
 

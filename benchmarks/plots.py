@@ -97,15 +97,17 @@ def attention(plt, path: str, out: str, until: str | None) -> None:
 def loss(plt, path: str, out: str, until: str | None) -> None:
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if until is None or r["date"] <= until]
+    if not rows:
+        return
     date = max(r["date"] for r in rows)  # the newest run of each system, drawn together
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for system in dict.fromkeys(r["system"] for r in rows):
+    for system, precision in dict.fromkeys((r["system"], r["precision"]) for r in rows if r["date"] == date):
         points = {int(r["step"]): float(r["train_loss"]) for r in rows if r["system"] == system and r["date"] == date}
-        ax.plot(list(points), list(points.values()), label=system, linewidth=1.2)
+        ax.plot(list(points), list(points.values()), label=f"{system} ({precision})", linewidth=1.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("train/loss")
     ax.set_yscale("log")
-    ax.set_title(f"{rows[-1]['model']}, {rows[-1]['precision']}, {rows[-1]['gpu']} ({date})")
+    ax.set_title(f"{rows[-1]['model']}, {rows[-1]['gpu']} ({date})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "loss.png"), dpi=120)

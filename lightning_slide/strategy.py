@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
+from .device_draws import DrawOnDevice
 from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
 from .engine.nvme import sweep_stale_state
@@ -436,9 +437,17 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # New parameters are fp32 masters on the CPU, not tensors on the root device.
-        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
+        # New parameters are fp32 masters on the CPU, not tensors on the root device; their random init is drawn
+        # there, as plain Lightning draws it.
+        draws = self.root_device.type == "cuda" and not empty_init
+        with (
+            _EmptyInit(enabled=bool(empty_init)),
+            torch.device("cpu"),
+            DrawOnDevice(self.root_device) if draws else nullcontext(),
+        ):
             yield
+        if draws:
+            torch.cuda.empty_cache()  # the draws' blocks, before the plan reads what the GPU has free
 
     @override
     def teardown(self) -> None:

@@ -4,6 +4,7 @@ import csv
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -658,6 +659,22 @@ def test_the_readme_pictures_regenerate_from_the_csvs(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         with open(os.path.join(ROOT, "README.md")) as f:
             assert f"benchmarks/results/plots/{name}" in f.read()
+
+
+def test_the_loss_curves_are_drawn_from_their_csv(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("core.csv", "attention.csv"):
+        shutil.copy(os.path.join(ROOT, "benchmarks", "results", name), results / name)
+    with open(results / "loss.csv", "w") as f:
+        f.write("date,gpu,torch,triton,model,precision,system,step,train_loss\n")
+        for system, precision in (("plain", "32-true"), ("slideformer", "bf16-mixed")):
+            f.writelines(f"2026-12-02,H200,2.11,3.6,tiny,{precision},{system},{s},{4 / (s + 1)}\n" for s in (4, 9, 14))
+    script = os.path.join(ROOT, "benchmarks", "plots.py")
+    subprocess.run([sys.executable, script, "--results", str(results), "--out", str(tmp_path)], check=True, timeout=300)
+    with open(tmp_path / "loss.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
