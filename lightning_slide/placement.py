@@ -37,6 +37,7 @@ from .engine.planner import (
 )
 from .engine.tiling import gated_mlp
 from .engine.units import Unit, in_forward_order
+from .engine.world import DataParallel
 from .models import Layout
 from .rates import Rates, Work, predict_step_s
 
@@ -60,6 +61,7 @@ class EngineOptions:
     nvme_path: str | None
     nvme_masters: bool
     config: EngineConfig
+    world: DataParallel | None = None  # more than one process: their gradients averaged
 
 
 def resolve_schedule(update_schedule: str, on_nonfinite: str, trainer: Any, module: LightningModule) -> str:
@@ -130,7 +132,7 @@ def choose_engine(
             num_slots=options.num_slots or 3, on_nonfinite=options.on_nonfinite, cpu_threads=options.cpu_threads,
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
-            resident=resident if schedule != "norm-first" else (),
+            resident=resident if schedule != "norm-first" else (), world=options.world,
         )  # fmt: skip
 
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None

@@ -10,12 +10,12 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
@@ -27,6 +27,7 @@ from .device_draws import DrawOnDevice
 from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
 from .engine.nvme import sweep_stale_state
+from .engine.world import DataParallel
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
 from .placement import (
@@ -45,12 +46,13 @@ from .placement import (
     tokens_ahead,
 )
 from .precision import SlideFormerPrecision
+from .processes import Processes, broadcast_module
 from .rates import Rates
 
 log = logging.getLogger(__name__)
 
 
-class SlideFormerStrategy(SingleDeviceStrategy):
+class SlideFormerStrategy(Processes):
     """Train a model far larger than GPU memory on one GPU.
 
     The LightningModule's parameters stay fp32 masters in CPU memory; transformer blocks slide through a small
@@ -76,7 +78,7 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         on_nonfinite: ``"raise"`` stops training at a NaN/Inf gradient; ``"skip"`` (clipping by norm only)
             skips that optimizer step.
         cpu_threads: threads of the CPU optimizer; ``None``: all cores but one on CUDA (the other feeds the GPU),
-            torch's default on the CPU.
+            shared by a node's processes, torch's default on the CPU.
         frozen_in_compute_dtype: under bf16-mixed, keep the frozen weight matrices of the blocks and the head (a
             LoRA base) in bf16 on the host: half the memory, and exactly the values bf16 compute reads. The
             module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
@@ -177,7 +179,6 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         nvme_path = nvme_path or os.environ.get("SLIDE_NVME_PATH")
         if optimizer_offload == "nvme" or (optimizer_offload == "auto" and nvme_path):
             nvme_path = _check_nvme_path(nvme_path)
-        self._parallel_devices: list[torch.device] = []
         super().__init__(
             accelerator=accelerator,
             checkpoint_io=checkpoint_io or SlideCheckpointIO(),  # streamed and atomic
@@ -210,23 +211,6 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     # ---- device and precision ----------------------------------------------------------------------------------
 
     @property
-    def parallel_devices(self) -> list[torch.device]:
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device]) -> None:
-        # NOTE: the Trainer's connector fills this for strategies that have it; a strategy built from a string
-        # would otherwise keep SingleDeviceStrategy's default root device, the CPU.
-        self._parallel_devices = [torch.device(d) for d in devices]
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        if self._parallel_devices:
-            return self._parallel_devices[0]
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-    @property
     @override
     def precision_plugin(self) -> SlideFormerPrecision:
         if self._precision_plugin is None:  # not stored: the connector reads `_precision_plugin` as a user choice
@@ -257,13 +241,16 @@ class SlideFormerStrategy(SingleDeviceStrategy):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self._unsaved = None
-        if len(self._parallel_devices) > 1:
+        if self.is_distributed and self.nvme_path is not None:
             raise ValueError(
-                f"SlideFormer trains on one device; got devices={len(self._parallel_devices)}. Use Trainer(devices=1)."
+                f"SlideFormer's data parallel training ({self.world_size} processes) keeps the optimizer state in RAM"
+                " so far; got an NVMe tier (optimizer_offload / nvme_path). Use optimizer_offload='cpu' or devices=1."
             )
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.is_distributed:  # every process starts from the first one's weights, as under DDP
+            broadcast_module(module, self.root_device)
         optimizer = None
         if fitting:
             if not module.automatic_optimization:
@@ -376,17 +363,22 @@ class SlideFormerStrategy(SingleDeviceStrategy):
         schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
         options = EngineOptions(
             num_slots=None if self.num_slots == "auto" else self.num_slots, update_schedule=self.update_schedule,
-            placement="stream" if self.optimizer_offload == "nvme" else self.placement,
+            placement="stream" if self.optimizer_offload == "nvme" or self.is_distributed else self.placement,
             on_nonfinite=self.on_nonfinite,
-            cpu_threads=self.cpu_threads or (max(1, torch.get_num_threads() - 1) if device.type == "cuda" else None),
+            cpu_threads=self.cpu_threads or (self._default_threads() if device.type == "cuda" else None),
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
             nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
+            world=DataParallel() if self.is_distributed and dist.is_initialized() else None,
         )  # fmt: skip
         stored = self._storage(layout, optimizer)[3]
         loss = self.install_loss and layout.causal_lm is not None
         dtype = self.precision_plugin.compute_dtype
         run = Run(module, layout, device, dtype, optimizer, schedule, trainer, options, stored)
         return make_plan(run, tokens, machine, not loss, rates)
+
+    def _default_threads(self) -> int:
+        # all cores but one (it feeds the GPU), shared by the processes of the node
+        return max(1, torch.get_num_threads() // self.num_processes - 1)
 
     def _storage(self, layout: Layout, optimizer: Optimizer | None) -> tuple[list, list, list, dict]:
         # what changes dtype before training: frozen matrices to the compute dtype, trained half weights (all of

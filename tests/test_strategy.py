@@ -179,12 +179,6 @@ def test_bad_setups_fail_before_anything_moves(module, strategy, kwargs, error, 
     assert after == before  # not moved, not re-allocated (pinned) before the error
 
 
-def test_two_devices_is_a_clear_error():
-    trainer = L.Trainer(strategy="slideformer", accelerator="cpu", devices=2, max_steps=1, logger=False)
-    with pytest.raises(ValueError, match="trains on one device"):
-        trainer.fit(StackLM(), _loader())
-
-
 def test_hf_gradient_checkpointing_is_off_while_training_and_restored_after():
     module = CausalLM(tiny_config("llama"))
     ref, _ = fit(module, "auto", steps=3)

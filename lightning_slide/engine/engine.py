@@ -52,6 +52,7 @@ from .units import Unit, collect_units, in_forward_order, move_except_parameters
 from .updates import StepPlan, Updates
 from .window import Window, WindowStats, window_bytes
 from .worker import CpuWorker
+from .world import DataParallel
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class SlideEngine:
         compact_grads: bool = False,
         config: EngineConfig | None = None,
         resident: list[tuple[str, nn.Module]] = (),
+        world: DataParallel | None = None,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -127,7 +129,10 @@ class SlideEngine:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
         if resident and schedule == "norm-first":
             raise ValueError("update_schedule='norm-first' streams every update; it keeps no module on the device.")
+        if resident and world is not None:
+            raise ValueError("Data parallel streams every unit: their gradients are averaged as they leave backward.")
         self.config = config = config or EngineConfig()
+        self.world = world
         self.model, self.device, self.compute_dtype = model, device, compute_dtype
         self.schedule: Schedule = schedule
         self.on_nonfinite = on_nonfinite
@@ -283,6 +288,8 @@ class SlideEngine:
         # the embedding's two-part update (embedding.py) is exact here: an embedding in RAM that nothing else uses,
         # one backward pass per step; with "forward", not where hooks read `param.grad` (its gradient is then not
         # one), nor with on_nonfinite="skip" (a skipped step must not have updated the untouched rows)
+        if self.world is not None:  # each process touched other rows
+            return False
         if self.schedule == "backward":
             allowed = not self._retain
         elif self.schedule == "forward":
@@ -483,7 +490,7 @@ class SlideEngine:
     def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None:
         """``unit``'s backward produced these gradients (by parameter index): on their way (``Step``)."""
         if self.step is not None and grads:
-            self.step.after_backward(unit, grads)
+            self.step.after_backward(unit, self.world.average(grads) if self.world is not None else grads)
 
     def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool:
         """Whether ``unit`` keeps its saved ``inputs`` in host memory: the first ``offloading`` blocks do (their

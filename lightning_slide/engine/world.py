@@ -1,0 +1,52 @@
+"""Data parallel over the processes of a torch.distributed group: each unit's gradients are averaged as its backward
+ends, so every process holds the same gradients, applies the same updates and keeps the same weights (as
+``DistributedDataParallel``, whose gradients are the mean over the processes).
+
+Every process holds the whole state (masters, optimizer state) here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .rows import Contribution, Rows
+
+
+class DataParallel:
+    """The gradients of one process averaged with the others' (``group``: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+
+    def average(self, grads: dict[int, Contribution]) -> dict[int, Contribution]:
+        """The mean over the processes of each contribution (by parameter index). Every process calls it for the
+        same units in the same order (the backward's)."""
+        return {i: self._rows(c) if isinstance(c, Rows) else self._dense(c) for i, c in grads.items()}
+
+    def _dense(self, grad: Tensor) -> Tensor:
+        # summed in fp32 where the gradient is lower precision (DDP's gradients are those of fp32 parameters)
+        total = grad.float() if grad.dtype != torch.float32 else grad
+        dist.all_reduce(total, group=self.group)
+        return total.div_(self.size)
+
+    def _rows(self, rows: Rows) -> Rows:
+        # the processes touched different rows: all of them, each process's in turn (duplicates add up where used)
+        count = torch.tensor([rows.index.numel()], dtype=torch.int64, device=rows.index.device)
+        counts = [torch.empty_like(count) for _ in range(self.size)]
+        dist.all_gather(counts, count, group=self.group)
+        sizes = [int(c) for c in counts]
+        most = max(sizes)
+        index = torch.zeros(most, dtype=rows.index.dtype, device=rows.index.device)
+        index[: rows.index.numel()] = rows.index
+        values = torch.zeros((most, *rows.values.shape[1:]), dtype=torch.float32, device=rows.values.device)
+        values[: rows.index.numel()] = rows.values
+        indices = [torch.empty_like(index) for _ in range(self.size)]
+        all_values = [torch.empty_like(values) for _ in range(self.size)]
+        dist.all_gather(indices, index, group=self.group)
+        dist.all_gather(all_values, values, group=self.group)
+        index = torch.cat([t[:n] for t, n in zip(indices, sizes)])
+        values = torch.cat([t[:n] for t, n in zip(all_values, sizes)])
+        return Rows(index, values.div_(self.size))

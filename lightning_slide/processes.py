@@ -1,0 +1,129 @@
+"""The processes of a run: one per device, started by Lightning's launcher, joined in one torch.distributed group.
+
+``SlideFormerStrategy`` stands on this class: a world of one (``devices=1``, one node) starts nothing and joins no
+group, exactly as a single-device strategy; a larger world (``devices=N``, ``num_nodes=M``, or ``torchrun`` and SLURM
+through Lightning's cluster environments) starts its processes with Lightning's subprocess launcher and joins a group
+on NCCL (CUDA) or gloo (CPU). The collectives here are Lightning's own (``barrier``, ``broadcast``, ``reduce``,
+``all_gather``), as ``DDPStrategy`` provides them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as _sync
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
+
+
+class Processes(ParallelStrategy):
+    """A Lightning strategy whose world may span processes.
+
+    Args:
+        timeout: how long a collective waits for the other processes before it fails (a process that died stops
+            the others with an error instead of a hang).
+    """
+
+    def __init__(self, *, timeout: timedelta = default_pg_timeout, **kwargs: Any) -> None:
+        self._parallel_devices: list[torch.device] = []
+        self._num_nodes = 1
+        self.timeout = timeout
+        super().__init__(**kwargs)
+
+    @property
+    @override
+    def parallel_devices(self) -> list[torch.device]:
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    @override
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        # NOTE: the Trainer's connector fills this; a strategy built from a string would otherwise have no device.
+        self._parallel_devices = [torch.device(d) for d in devices or []]
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self._parallel_devices:
+            return self._parallel_devices[self.local_rank]
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:  # set by the Trainer's connector
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node: one per device."""
+        return max(1, len(self._parallel_devices))
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one process (Lightning's connector reads it: the data then gets a distributed sampler)."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.is_distributed:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.is_distributed and not _distributed_is_initialized():
+            self.set_world_ranks()
+            backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+            device_id = self.root_device if backend == "nccl" else None
+            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout, device_id=device_id)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier(device_ids=[self.root_device.index] if dist.get_backend() == "nccl" else None)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        return _sync(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
+
+
+def broadcast_module(module: torch.nn.Module, device: torch.device) -> None:
+    """The first process's parameters and buffers into every process's (through ``device``: NCCL sends device
+    tensors only)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            sent = tensor.data.to(device)
+            dist.broadcast(sent, 0)
+            if sent is not tensor.data:
+                tensor.data.copy_(sent)

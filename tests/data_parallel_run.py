@@ -1,0 +1,51 @@
+"""One data-parallel run on the CPU (gloo), as a user's script: ``python data_parallel_run.py STRATEGY OUT [options]``.
+
+Lightning's launcher starts the other processes by running this file again; the first process saves the trained
+weights to OUT. ``tests/test_data_parallel.py`` compares them with Lightning's DDP.
+"""
+
+import argparse
+import os
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import CausalLM, tiny_config, token_data  # noqa: E402
+from lightning_slide import SlideFormerStrategy  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("strategy", choices=["ddp", "slideformer"])
+parser.add_argument("out")
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--clip", type=float, default=None)
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--schedule", default="auto")
+parser.add_argument("--seed-per-rank", action="store_true", help="each process starts from other weights")
+parser.add_argument("--nvme-path", default=None)
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--save-at", type=int, default=None, help="a checkpoint after this step, in OUT's folder")
+parser.add_argument("--resume", default=None, help="fit from this checkpoint")
+args = parser.parse_args()
+
+rank = int(os.environ.get("LOCAL_RANK", 0))
+L.seed_everything(7 + (rank if args.seed_per_rank else 0), verbose=False)
+module = CausalLM(tiny_config("llama", tied=True))
+strategy = (
+    "ddp"
+    if args.strategy == "ddp"
+    else SlideFormerStrategy(num_slots=2, update_schedule=args.schedule, nvme_path=args.nvme_path)
+)
+saving = [ModelCheckpoint(os.path.dirname(args.out), "{step}", every_n_train_steps=args.save_at, save_top_k=-1)]
+trainer = L.Trainer(
+    strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
+    enable_checkpointing=args.save_at is not None, callbacks=saving if args.save_at else None,
+    enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,
+    accumulate_grad_batches=args.accumulate,
+)  # fmt: skip
+trainer.fit(module, DataLoader(TensorDataset(token_data(32)), batch_size=2), ckpt_path=args.resume)
+if trainer.is_global_zero:
+    torch.save({k: v.detach().float().cpu() for k, v in module.state_dict().items()}, args.out)

@@ -1,0 +1,61 @@
+"""Data parallel on the CPU (gloo): ``devices=N`` trains as Lightning's DDP with the same global batch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import max_rel_error
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_parallel_run.py")
+
+
+def _run(strategy: str, out, *options: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, SCRIPT, strategy, str(out), *options]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def _trained(strategy: str, out, *options: str) -> dict:
+    done = _run(strategy, out, *options)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def _matches_ddp(tmp_path, *options: str) -> None:
+    ddp = _trained("ddp", tmp_path / "ddp.pt", *options)
+    ours = _trained("slideformer", tmp_path / "ours.pt", *options)
+    err, where = max_rel_error(ours, ddp)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+def test_two_processes_train_as_ddp(tmp_path):
+    # tied embeddings, AdamW with two param groups and a scheduler (helpers.CausalLM); each process starts from
+    # other weights: the first process's reach the others, as under DDP
+    _matches_ddp(tmp_path, "--seed-per-rank")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("devices", "clip", "accumulate", "schedule"),
+    [(2, "0.05", "2", "auto"), (2, "0.05", "1", "norm-first"), (3, "0.05", "2", "auto"), (3, None, "1", "auto")],
+)
+def test_processes_with_clipping_and_accumulation_train_as_ddp(tmp_path, devices, clip, accumulate, schedule):
+    options = ["--devices", str(devices), "--accumulate", accumulate, "--schedule", schedule]
+    _matches_ddp(tmp_path, *options, *(["--clip", clip] if clip else []))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_processes_resumes_exactly(tmp_path):
+    # 32 rows, 2 processes, 2 rows each: an epoch is 8 steps (a plain DataLoader resumes exactly at an epoch's end)
+    straight = _trained("slideformer", tmp_path / "straight.pt", "--steps", "12", "--save-at", "8")
+    checkpoint = str(tmp_path / "step=8.ckpt")
+    resumed = _trained("slideformer", tmp_path / "resumed.pt", "--steps", "12", "--resume", checkpoint)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_the_nvme_tier_is_refused_with_processes(tmp_path):
+    done = _run("slideformer", tmp_path / "ours.pt", "--nvme-path", str(tmp_path))
+    assert done.returncode != 0
+    assert "keeps the optimizer state in RAM so far" in done.stderr
