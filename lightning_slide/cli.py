@@ -155,7 +155,9 @@ class SlideCLI(LightningCLI):
             check_vocab(len(self.datamodule.load_tokenizer()), vocab)
 
     def after_fit(self) -> None:
-        print(export_hint(self.trainer), flush=True)
+        hint = export_hint(self.trainer)  # on every process: Trainer.log_dir is a collective
+        if self.trainer.is_global_zero:
+            print(hint, flush=True)
 
 
 def export_hint(trainer) -> str:

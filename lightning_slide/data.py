@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 IGNORE = -100
 BUILTIN_CHAT_TEMPLATE = (
@@ -221,34 +221,50 @@ class _Rows(Dataset):
     def __len__(self) -> int:
         return len(self.rows["input_ids"])
 
-    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Tensor]:
-        if isinstance(key, tuple):  # (row, target tokens of the row's whole optimizer step): training batches
-            i, step_tokens = key
-            return {**{k: v[i] for k, v in self.rows.items()}, "step_tokens": torch.tensor(step_tokens)}
+    def __getitem__(self, key: int | list[tuple[int, int]]) -> dict[str, Tensor]:
+        if isinstance(key, list):  # a training batch: (row, target tokens of the row's whole optimizer step) each
+            index = torch.tensor([i for i, _ in key])
+            step_tokens = torch.tensor([total for _, total in key])
+            return {**{k: v[index] for k, v in self.rows.items()}, "step_tokens": step_tokens}
         return {k: v[key] for k, v in self.rows.items()}
 
 
-class _StepBatches(Sampler[list[tuple[int, int]]]):
+class _StepBatches(DistributedSampler):
     """Batches in the sampler's order; each row comes with the number of target tokens in all the batches of its
-    optimizer step (``accumulate`` batches), so a loss can be normalized by the whole step's token count."""
+    optimizer step (``accumulate`` batches), so a loss can be normalized by the whole step's token count.
 
-    def __init__(self, sampler: ResumableSampler, batch_size: int, accumulate: int, targets: Tensor) -> None:
+    With ``replicas`` processes (data parallel), each run of ``replicas * batch_size`` rows in that order is one batch
+    of every process, the ``rank``-th slice this process's; a step's tokens count every process's rows. At an epoch's
+    end every process gets as many rows (up to ``replicas - 1`` rows are left out). A ``DistributedSampler``: Lightning
+    then leaves it as it is (it would replace a plain sampler under data parallel).
+    """
+
+    def __init__(self, dataset: Dataset, sampler: ResumableSampler, batch_size: int, accumulate: int, targets: Tensor,
+                 replicas: int = 1, rank: int = 0) -> None:  # fmt: skip
+        super().__init__(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=sampler.seed)
         self.sampler, self.batch_size, self.accumulate, self.targets = sampler, batch_size, accumulate, targets
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this at every epoch start
+        super().set_epoch(epoch)
         self.sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return -(-len(self.sampler) // self.batch_size)
+        full, rest = divmod(len(self.sampler), self.batch_size * self.num_replicas)
+        return full + (rest >= self.num_replicas)
 
     def __iter__(self):
-        order = list(self.sampler)
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        order, span = list(self.sampler), self.batch_size * self.num_replicas
+        batches = []  # each: every process's rows
+        for start in range(0, len(order), span):
+            rows = order[start : start + span]
+            each = len(rows) // self.num_replicas
+            if each:
+                batches.append([rows[r * each : (r + 1) * each] for r in range(self.num_replicas)])
         for g in range(0, len(batches), self.accumulate):
             group = batches[g : g + self.accumulate]
-            total = int(sum(self.targets[i] for batch in group for i in batch))
+            total = int(sum(self.targets[i] for batch in group for part in batch for i in part))
             for batch in group:
-                yield [(i, total) for i in batch]
+                yield [(i, total) for i in batch[self.rank]]
 
 
 class ResumableSampler(Sampler[int]):
@@ -381,14 +397,18 @@ class TextDataModule(L.LightningDataModule):
         return self.tokenizer
 
     def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        replicas, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         resume = None
-        if self._resume is not None:
-            resume, self._resume = (self._resume["epoch"], self._resume["batches"] * self.batch_size), None
+        if self._resume is not None:  # the rows every process consumed
+            resume = (self._resume["epoch"], self._resume["batches"] * self.batch_size * replicas)
+            self._resume = None
         sampler = ResumableSampler(len(self.train_rows["input_ids"]), self.seed, resume)
         targets = (self.train_rows["labels"][:, 1:] != IGNORE).sum(1)  # what each row's loss is summed over
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        batches = _StepBatches(sampler, self.batch_size, accumulate, targets)
-        return DataLoader(_Rows(self.train_rows), batch_sampler=batches)
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        rows = _Rows(self.train_rows)
+        batches = _StepBatches(rows, sampler, self.batch_size, accumulate, targets, replicas, rank)
+        return DataLoader(rows, sampler=batches, batch_size=None)  # each item a whole batch
 
     def state_dict(self) -> dict[str, int]:
         """Saved in checkpoints: the epoch, and how many of its batches training has consumed."""

@@ -234,9 +234,11 @@ class CausalLMModule(L.LightningModule):
             raise ValueError("normalize='step' needs 'step_tokens' in each batch (TextDataModule provides it).")
         total = self.token_losses(batch, reduction="sum")
         self.log("train/loss", total / (batch["labels"][:, 1:] != -100).sum().clamp_min(1), prog_bar=True)
-        # Lightning divides each micro-batch's loss by the accumulation count; undo that, so the step's gradient
-        # is that of its summed token losses over its token count
-        return total / batch["step_tokens"][0].clamp_min(1) * self.trainer.accumulate_grad_batches
+        # Lightning divides each micro-batch's loss by the accumulation count, and data parallel averages the
+        # processes' gradients; undo both, so the step's gradient is that of its summed token losses over its token
+        # count (``step_tokens`` counts every process's)
+        scale = self.trainer.accumulate_grad_batches * self.trainer.world_size
+        return total / batch["step_tokens"][0].clamp_min(1) * scale
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         total, correct = self.token_losses(batch, reduction="sum", return_correct=True)

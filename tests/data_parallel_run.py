@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import CausalLM, tiny_config, token_data  # noqa: E402
-from lightning_slide import SlideFormerStrategy  # noqa: E402
+from lightning_slide import CausalLMModule, SlideFormerStrategy, TextDataModule  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("strategy", choices=["ddp", "slideformer"])
@@ -29,11 +29,20 @@ parser.add_argument("--nvme-path", default=None)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--save-at", type=int, default=None, help="a checkpoint after this step, in OUT's folder")
 parser.add_argument("--resume", default=None, help="fit from this checkpoint")
+parser.add_argument("--batch-size", type=int, default=2)
+parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
 args = parser.parse_args()
 
 rank = int(os.environ.get("LOCAL_RANK", 0))
 L.seed_everything(7 + (rank if args.seed_per_rank else 0), verbose=False)
-module = CausalLM(tiny_config("llama", tied=True))
+if args.text:  # the quickstart's model and data, smaller
+    config = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=262, max_position_embeddings=64)  # fmt: skip
+    module = CausalLMModule(config=config, lr=3e-3, weight_decay=0.01, warmup_steps=2, normalize=args.text)
+    data = TextDataModule(seq_len=32, batch_size=args.batch_size, val_fraction=0.0)
+else:
+    module = CausalLM(tiny_config("llama", tied=True))
+    data = None
 strategy = (
     "ddp"
     if args.strategy == "ddp"
@@ -46,6 +55,7 @@ trainer = L.Trainer(
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,
     accumulate_grad_batches=args.accumulate,
 )  # fmt: skip
-trainer.fit(module, DataLoader(TensorDataset(token_data(32)), batch_size=2), ckpt_path=args.resume)
+loader = None if data else DataLoader(TensorDataset(token_data(32)), batch_size=args.batch_size)
+trainer.fit(module, loader, datamodule=data, ckpt_path=args.resume)
 if trainer.is_global_zero:
     torch.save({k: v.detach().float().cpu() for k, v in module.state_dict().items()}, args.out)

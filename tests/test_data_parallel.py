@@ -55,6 +55,44 @@ def test_a_checkpoint_of_processes_resumes_exactly(tmp_path):
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
+def test_text_data_on_two_processes_trains_as_one_process_with_their_batches(tmp_path):
+    # CausalLMModule on TextDataModule, loss normalized by the step's tokens: two processes of 2 rows are one of 4
+    options = ["--text", "step", "--accumulate", "2"]
+    one = _trained("slideformer", tmp_path / "one.pt", *options, "--devices", "1", "--batch-size", "4")
+    two = _trained("slideformer", tmp_path / "two.pt", *options, "--devices", "2", "--batch-size", "2")
+    err, where = max_rel_error(two, one)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+@pytest.mark.slow
+def test_text_data_on_processes_resumes_exactly_mid_epoch(tmp_path):
+    options = ["--text", "batch", "--steps", "12"]
+    straight = _trained("slideformer", tmp_path / "straight.pt", *options, "--save-at", "5")
+    resumed = _trained("slideformer", tmp_path / "resumed.pt", *options, "--resume", str(tmp_path / "step=5.ckpt"))
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_step_batches_split_each_global_batch_among_the_processes():
+    from lightning_slide.data import ResumableSampler, _Rows, _StepBatches
+
+    rows = _Rows({"input_ids": torch.zeros(23, 4)})
+    targets = torch.arange(23)
+
+    def batches(replicas, rank, batch_size):
+        sampler = ResumableSampler(23, seed=3)
+        return list(_StepBatches(rows, sampler, batch_size, 2, targets, replicas, rank))
+
+    one = batches(1, 0, 6)  # 4 batches: 6, 6, 6, 5 rows
+    two = [batches(2, r, 3) for r in range(2)]  # the same 4 global batches; the last one's odd row left out
+    assert [len(b) for b in two[0]] == [len(b) for b in two[1]] == [3, 3, 3, 2]
+    for whole, first, second in zip(one, *two):
+        assert [i for i, _ in first + second] == [i for i, _ in whole][: len(first) * 2]
+    for step in (slice(0, 2), slice(2, 4)):  # accumulate=2: the step's tokens count both processes' rows
+        used = [pair for rank in two for batch in rank[step] for pair in batch]
+        assert {t for _, t in used} == {int(sum(targets[i] for i, _ in used))}
+    assert len(_StepBatches(rows, ResumableSampler(23, seed=3), 3, 2, targets, 2, 0)) == 4
+
+
 def test_the_nvme_tier_is_refused_with_processes(tmp_path):
     done = _run("slideformer", tmp_path / "ours.pt", "--nvme-path", str(tmp_path))
     assert done.returncode != 0
