@@ -241,11 +241,6 @@ class SlideFormerStrategy(Processes):
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
         self._unsaved = None
-        if self.is_distributed and self.nvme_path is not None:
-            raise ValueError(
-                f"SlideFormer's data parallel training ({self.world_size} processes) keeps the optimizer state in RAM"
-                " so far; got an NVMe tier (optimizer_offload / nvme_path). Use optimizer_offload='cpu' or devices=1."
-            )
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING

@@ -30,6 +30,7 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--save-at", type=int, default=None, help="a checkpoint after this step, in OUT's folder")
 parser.add_argument("--resume", default=None, help="fit from this checkpoint")
 parser.add_argument("--batch-size", type=int, default=2)
+parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
 args = parser.parse_args()
 
@@ -46,12 +47,26 @@ else:
 strategy = (
     "ddp"
     if args.strategy == "ddp"
-    else SlideFormerStrategy(num_slots=2, update_schedule=args.schedule, nvme_path=args.nvme_path)
+    else SlideFormerStrategy(
+        num_slots=2,
+        update_schedule=args.schedule,
+        nvme_path=args.nvme_path,
+        optimizer_offload="nvme" if args.nvme_path else "cpu",
+    )  # fmt: skip
 )
+
+
+class _Die(L.Callback):
+    def on_train_batch_start(self, trainer, *_):
+        if trainer.global_step == args.die_at and trainer.global_rank == trainer.world_size - 1:
+            os._exit(9)
+
+
 saving = [ModelCheckpoint(os.path.dirname(args.out), "{step}", every_n_train_steps=args.save_at, save_top_k=-1)]
 trainer = L.Trainer(
     strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
-    enable_checkpointing=args.save_at is not None, callbacks=saving if args.save_at else None,
+    enable_checkpointing=args.save_at is not None,
+    callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else []),
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,
     accumulate_grad_batches=args.accumulate,
 )  # fmt: skip

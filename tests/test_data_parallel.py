@@ -93,7 +93,22 @@ def test_step_batches_split_each_global_batch_among_the_processes():
     assert len(_StepBatches(rows, ResumableSampler(23, seed=3), 3, 2, targets, 2, 0)) == 4
 
 
-def test_the_nvme_tier_is_refused_with_processes(tmp_path):
-    done = _run("slideformer", tmp_path / "ours.pt", "--nvme-path", str(tmp_path))
+@pytest.mark.slow
+def test_the_nvme_tier_on_processes_trains_as_ddp_and_resumes_exactly(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    ddp = _trained("ddp", tmp_path / "ddp.pt", "--steps", "12")
+    options = ["--nvme-path", str(nvme), "--steps", "12"]
+    straight = _trained("slideformer", tmp_path / "straight.pt", *options, "--save-at", "8")
+    assert (tmp_path / "step=8.ckpt" / "state").is_dir()  # a directory checkpoint: the tier was used
+    resumed = _trained("slideformer", tmp_path / "resumed.pt", *options, "--resume", str(tmp_path / "step=8.ckpt"))
+    err, where = max_rel_error(straight, ddp)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert not any(nvme.iterdir())  # each process's state went with it
+
+
+def test_a_process_that_dies_stops_the_others_with_an_error(tmp_path):
+    done = _run("slideformer", tmp_path / "ours.pt", "--die-at", "2")
     assert done.returncode != 0
-    assert "keeps the optimizer state in RAM so far" in done.stderr
+    assert "with the other 1 process(es) failed: one of them stopped" in done.stderr

@@ -21,10 +21,16 @@ class DataParallel:
         self.group = group
         self.size = dist.get_world_size(group)
 
-    def average(self, grads: dict[int, Contribution]) -> dict[int, Contribution]:
-        """The mean over the processes of each contribution (by parameter index). Every process calls it for the
-        same units in the same order (the backward's)."""
-        return {i: self._rows(c) if isinstance(c, Rows) else self._dense(c) for i, c in grads.items()}
+    def average(self, grads: dict[int, Contribution], unit: str) -> dict[int, Contribution]:
+        """The mean over the processes of each contribution (by parameter index) of ``unit``. Every process calls it
+        for the same units in the same order (the backward's)."""
+        try:
+            return {i: self._rows(c) if isinstance(c, Rows) else self._dense(c) for i, c in grads.items()}
+        except RuntimeError as err:  # gloo raises it, NCCL its subclass DistBackendError
+            raise RuntimeError(
+                f"Averaging the gradients of '{unit}' with the other {self.size - 1} process(es) failed: one of them"
+                " stopped (killed, out of memory, or an error: see its log above), or timed out."
+            ) from err
 
     def _dense(self, grad: Tensor) -> Tensor:
         # summed in fp32 where the gradient is lower precision (DDP's gradients are those of fp32 parameters)
