@@ -358,7 +358,7 @@ class SlideFormerStrategy(Processes):
         schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
         options = EngineOptions(
             num_slots=None if self.num_slots == "auto" else self.num_slots, update_schedule=self.update_schedule,
-            placement="stream" if self.optimizer_offload == "nvme" or self.is_distributed else self.placement,
+            placement="stream" if self.optimizer_offload == "nvme" else self.placement,
             on_nonfinite=self.on_nonfinite,
             cpu_threads=self.cpu_threads or (self._default_threads() if device.type == "cuda" else None),
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,

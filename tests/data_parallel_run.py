@@ -30,6 +30,7 @@ parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--save-at", type=int, default=None, help="a checkpoint after this step, in OUT's folder")
 parser.add_argument("--resume", default=None, help="fit from this checkpoint")
 parser.add_argument("--batch-size", type=int, default=2)
+parser.add_argument("--device-memory-gib", type=float, default=None, help="a budget: the GPU tier on the CPU")
 parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
 args = parser.parse_args()
@@ -52,6 +53,7 @@ strategy = (
         update_schedule=args.schedule,
         nvme_path=args.nvme_path,
         optimizer_offload="nvme" if args.nvme_path else "cpu",
+        device_memory_gib=args.device_memory_gib,
     )  # fmt: skip
 )
 
@@ -72,5 +74,7 @@ trainer = L.Trainer(
 )  # fmt: skip
 loader = None if data else DataLoader(TensorDataset(token_data(32)), batch_size=args.batch_size)
 trainer.fit(module, loader, datamodule=data, ckpt_path=args.resume)
+if trainer.is_global_zero and args.strategy == "slideformer":
+    print("kept on the device:", [u.name for u in strategy.plan.units if u.weights == "gpu"])
 if trainer.is_global_zero:
     torch.save({k: v.detach().float().cpu() for k, v in module.state_dict().items()}, args.out)

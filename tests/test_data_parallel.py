@@ -24,7 +24,7 @@ def _trained(strategy: str, out, *options: str) -> dict:
 
 
 def _matches_ddp(tmp_path, *options: str) -> None:
-    ddp = _trained("ddp", tmp_path / "ddp.pt", *options)
+    ddp = _trained("ddp", tmp_path / "ddp.pt", *options)  # the options of SlideFormerStrategy are ignored
     ours = _trained("slideformer", tmp_path / "ours.pt", *options)
     err, where = max_rel_error(ours, ddp)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -34,6 +34,12 @@ def test_two_processes_train_as_ddp(tmp_path):
     # tied embeddings, AdamW with two param groups and a scheduler (helpers.CausalLM); each process starts from
     # other weights: the first process's reach the others, as under DDP
     _matches_ddp(tmp_path, "--seed-per-rank")
+
+
+@pytest.mark.slow
+def test_processes_keeping_units_on_the_device_train_as_ddp(tmp_path):
+    # a device budget on the CPU: the GPU tier keeps the embedding, the head, the norm and blocks 0-2 there
+    _matches_ddp(tmp_path, "--device-memory-gib", "2", "--clip", "0.05", "--accumulate", "2")
 
 
 @pytest.mark.slow

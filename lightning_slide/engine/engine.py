@@ -129,8 +129,6 @@ class SlideEngine:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
         if resident and schedule == "norm-first":
             raise ValueError("update_schedule='norm-first' streams every update; it keeps no module on the device.")
-        if resident and world is not None:
-            raise ValueError("Data parallel streams every unit: their gradients are averaged as they leave backward.")
         self.config = config = config or EngineConfig()
         self.world = world
         self.model, self.device, self.compute_dtype = model, device, compute_dtype
@@ -362,7 +360,7 @@ class SlideEngine:
                 schedule=self.schedule, on_nonfinite=self.on_nonfinite, optimizer=self.optimizer, updates=self.updates,
                 sender=self.sender, worker=self.worker, window=self.window, rows=self.rows,
                 activations=self.activations, forward_units=self._forward_units(), names=names, guard=self.guard,
-                resident=self.resident_params,
+                resident=self.resident_params, world=self.world,
             )  # fmt: skip
         self._patch()
 

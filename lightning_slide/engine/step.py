@@ -35,6 +35,7 @@ from .units import Unit
 from .updates import StepPlan, Updates, nonfinite
 from .window import Window
 from .worker import CpuWorker
+from .world import DataParallel
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class Step:
         forward_units: every unit in forward order (the update order of units no training forward met).
         names: the parameters' names, for messages.
         guard: the boundary guard, checking the first training backward (``guard.py``).
+        resident: the parameters kept on the device.
+        world: the processes of a data-parallel run (``world.py``); ``None``: one.
     """
 
     def __init__(
@@ -69,10 +72,12 @@ class Step:
         names: dict[nn.Parameter, str],
         guard: Guard,
         resident: list[nn.Parameter] = (),
+        world: DataParallel | None = None,
     ) -> None:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
         self.resident = resident  # on the device: autograd leaves their gradients, the user's optimizer steps them
         self._resident_set = set(resident)
+        self.world = world  # several processes: the streamed units' gradients arrive averaged, the resident ones here
         self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
         self.window, self.rows, self.activations = window, rows, activations
         self._forward_units = forward_units
@@ -140,6 +145,8 @@ class Step:
         show them as ``param.grad`` (hooks and clipping read them there), but for a split embedding's."""
         if self.rows is not None:
             self.rows.check_received()
+        if self.world is not None and (grads := self._resident_grads()):
+            self.world.average_in_place(grads, "the modules kept on the device")
         self.sender.flush(self.plan if self.schedule != "forward" else None)
         if self.schedule != "forward":
             return

@@ -23,7 +23,7 @@ class DataParallel:
 
     def average(self, grads: dict[int, Contribution], unit: str) -> dict[int, Contribution]:
         """The mean over the processes of each contribution (by parameter index) of ``unit``. Every process calls it
-        for the same units in the same order (the backward's)."""
+        for the same units in the same order (the backward's); a dense fp32 gradient is averaged in place."""
         try:
             return {i: self._rows(c) if isinstance(c, Rows) else self._dense(c) for i, c in grads.items()}
         except RuntimeError as err:  # gloo raises it, NCCL its subclass DistBackendError
@@ -31,6 +31,13 @@ class DataParallel:
                 f"Averaging the gradients of '{unit}' with the other {self.size - 1} process(es) failed: one of them"
                 " stopped (killed, out of memory, or an error: see its log above), or timed out."
             ) from err
+
+    def average_in_place(self, grads: list[Tensor], what: str) -> None:
+        """The mean over the processes, into each gradient (those the user's optimizer steps on the device)."""
+        averaged = self.average(dict(enumerate(grads)), what)
+        for grad, mean in zip(grads, averaged.values()):
+            if mean is not grad:
+                grad.copy_(mean)
 
     def _dense(self, grad: Tensor) -> Tensor:
         # summed in fp32 where the gradient is lower precision (DDP's gradients are those of fp32 parameters)
