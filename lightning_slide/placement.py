@@ -496,8 +496,6 @@ def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: 
     )  # fmt: skip
     if placement == "stream":
         return Tier(False, "placement='stream'", tokens)
-    if run.options.world is not None:
-        return Tier(False, "data parallel: the units' gradients are averaged as they leave backward", tokens)
     if budget is None:
         return Tier(
             False, "no device budget (on the CPU, SlideFormerStrategy(device_memory_gib=...) gives one)", tokens

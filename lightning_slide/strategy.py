@@ -10,7 +10,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.accelerators import CUDAAccelerator
@@ -207,6 +206,7 @@ class SlideFormerStrategy(Processes):
         self.engine_config = engine or EngineConfig()
         self.engine: SlideEngine | None = None
         self._restores: list = []  # undo what setup changed on the user's model, at teardown
+        self._world: DataParallel | None = None  # the processes of a data-parallel run, from setup
 
     # ---- device and precision ----------------------------------------------------------------------------------
 
@@ -246,6 +246,7 @@ class SlideFormerStrategy(Processes):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.is_distributed:  # every process starts from the first one's weights, as under DDP
             broadcast_module(module, self.root_device)
+            self._world = DataParallel()
         optimizer = None
         if fitting:
             if not module.automatic_optimization:
@@ -363,7 +364,7 @@ class SlideFormerStrategy(Processes):
             cpu_threads=self.cpu_threads or (self._default_threads() if device.type == "cuda" else None),
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
             nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
-            world=DataParallel() if self.is_distributed and dist.is_initialized() else None,
+            world=self._world,
         )  # fmt: skip
         stored = self._storage(layout, optimizer)[3]
         loss = self.install_loss and layout.causal_lm is not None
@@ -463,6 +464,14 @@ class SlideFormerStrategy(Processes):
     ) -> torch.Tensor:
         with _explain_oom(self):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        # the whole-model tier across processes: each micro-batch's gradients averaged, as DDP's (the engine averages
+        # the streamed units' as they leave backward)
+        if self.engine is None and self._world is not None:
+            grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
+            self._world.average_in_place(grads, "the model")
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -37,9 +37,19 @@ def test_two_processes_train_as_ddp(tmp_path):
 
 
 @pytest.mark.slow
-def test_processes_keeping_units_on_the_device_train_as_ddp(tmp_path):
-    # a device budget on the CPU: the GPU tier keeps the embedding, the head, the norm and blocks 0-2 there
-    _matches_ddp(tmp_path, "--device-memory-gib", "2", "--clip", "0.05", "--accumulate", "2")
+@pytest.mark.parametrize("tier", ["whole", "gpu-tier"])
+def test_processes_keeping_units_on_the_device_train_as_ddp(tmp_path, tier):
+    # a device budget on the CPU: the whole model on the device, or (the whole "not fitting") the GPU tier keeping the
+    # embedding, the head, the norm and blocks 0-2 there
+    options = ["--device-memory-gib", "2", "--clip", "0.05", "--accumulate", "2"]
+    options += ["--not-whole"] if tier == "gpu-tier" else []
+    ddp = _trained("ddp", tmp_path / "ddp.pt", *options)
+    done = _run("slideformer", tmp_path / "ours.pt", *options)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kept = "'model.model.layers.2'" + (", 'model.model.layers.3'" if tier == "whole" else "]")
+    assert kept in done.stdout
+    err, where = max_rel_error(torch.load(tmp_path / "ours.pt"), ddp)
+    assert err < 1e-5, f"{where}: {err:.2e}"
 
 
 @pytest.mark.slow
