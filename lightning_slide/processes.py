@@ -9,7 +9,6 @@ on NCCL (CUDA) or gloo (CPU). The collectives here are Lightning's own (``barrie
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -26,17 +25,11 @@ from typing_extensions import override
 
 
 class Processes(ParallelStrategy):
-    """A Lightning strategy whose world may span processes.
+    """A Lightning strategy whose world may span processes."""
 
-    Args:
-        timeout: how long a collective waits for the other processes before it fails (a process that died stops
-            the others with an error instead of a hang).
-    """
-
-    def __init__(self, *, timeout: timedelta = default_pg_timeout, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         self._parallel_devices: list[torch.device] = []
         self._num_nodes = 1
-        self.timeout = timeout
         super().__init__(**kwargs)
 
     @property
@@ -98,7 +91,8 @@ class Processes(ParallelStrategy):
             self.set_world_ranks()
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
             device_id = self.root_device if backend == "nccl" else None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout, device_id=device_id)
+            # a collective waits this long for a process that stopped answering (a dead one fails it at once)
+            _init_dist_connection(self.cluster_environment, backend, timeout=default_pg_timeout, device_id=device_id)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 
 class SlideFormerStrategy(Processes):
-    """Train a model far larger than GPU memory on one GPU.
+    """Train a model far larger than GPU memory on one GPU (or data parallel on several: ``Trainer(devices=N)``).
 
     The LightningModule's parameters stay fp32 masters in CPU memory; transformer blocks slide through a small
     window of GPU slots; gradients leave the GPU block by block; the optimizer steps on the CPU while the GPU
