@@ -287,7 +287,11 @@ class SlideFormerStrategy(Processes):
         if self.nvme_path:  # what killed runs left there goes first
             _, disk_held = sweep_stale_state(self.nvme_path)
             disk_free = shutil.disk_usage(self.nvme_path).free
-        machine = Machine(budget, available_host_bytes(), locked_memory_limit() if cuda else None, disk_free, disk_held)
+        # a node's processes plan at once, each on its share of the node's RAM and disk
+        share = self.num_processes
+        disk_free = disk_free // share if disk_free is not None else None
+        machine = Machine(budget, available_host_bytes() // share, locked_memory_limit() if cuda else None, disk_free,
+                          disk_held)  # fmt: skip
         self.plan = self.plan_run(trainer, module, layout, optimizer, self.root_device, tokens, machine)
         frozen, half, widen, _ = self._storage(layout, optimizer)
         self.tier = self.plan.tier

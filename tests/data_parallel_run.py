@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import CausalLM, tiny_config, token_data  # noqa: E402
 from lightning_slide import CausalLMModule, SlideFormerStrategy, TextDataModule, placement  # noqa: E402
+from lightning_slide import strategy as strategy_module  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("strategy", choices=["ddp", "slideformer"])
@@ -32,10 +33,13 @@ parser.add_argument("--resume", default=None, help="fit from this checkpoint")
 parser.add_argument("--batch-size", type=int, default=2)
 parser.add_argument("--device-memory-gib", type=float, default=None, help="a budget: the GPU tier on the CPU")
 parser.add_argument("--not-whole", action="store_true", help="the whole model 'does not fit' (tests/test_placement.py)")
+parser.add_argument("--host-mib", type=int, default=None, help="the RAM the machine has free")
 parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
 args = parser.parse_args()
 
+if args.host_mib:
+    strategy_module.available_host_bytes = lambda: args.host_mib << 20
 if args.not_whole:
     placement.choose_tier = lambda *_: placement.Tier(False, "the whole model does not fit")
 rank = int(os.environ.get("LOCAL_RANK", 0))

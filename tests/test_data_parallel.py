@@ -128,3 +128,11 @@ def test_a_process_that_dies_stops_the_others_with_an_error(tmp_path):
     done = _run("slideformer", tmp_path / "ours.pt", "--die-at", "2")
     assert done.returncode != 0
     assert "with the other 1 process(es) failed: one of them stopped" in done.stderr
+
+
+def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
+    # 100 MiB free: one process fits (it needs ~60 MiB), two each planning on all of it would not
+    assert _run("slideformer", tmp_path / "one.pt", "--host-mib", "100", "--devices", "1").returncode == 0
+    done = _run("slideformer", tmp_path / "two.pt", "--host-mib", "100", "--devices", "2")
+    assert done.returncode != 0
+    assert "more host memory but only 0.05 GiB is available" in done.stderr
