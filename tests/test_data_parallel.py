@@ -71,6 +71,7 @@ def test_a_checkpoint_of_processes_resumes_exactly(tmp_path):
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
+@pytest.mark.slow
 def test_text_data_on_two_processes_trains_as_one_process_with_their_batches(tmp_path):
     # CausalLMModule on TextDataModule, loss normalized by the step's tokens: two processes of 2 rows are one of 4
     options = ["--text", "step", "--accumulate", "2"]
@@ -124,12 +125,14 @@ def test_the_nvme_tier_on_processes_trains_as_ddp_and_resumes_exactly(tmp_path):
     assert not any(nvme.iterdir())  # each process's state went with it
 
 
+@pytest.mark.slow
 def test_a_process_that_dies_stops_the_others_with_an_error(tmp_path):
     done = _run("slideformer", tmp_path / "ours.pt", "--die-at", "2")
     assert done.returncode != 0
     assert "with the other 1 process(es) failed: one of them stopped" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
     # 100 MiB free: one process fits (it needs ~60 MiB), two each planning on all of it would not
     assert _run("slideformer", tmp_path / "one.pt", "--host-mib", "100", "--devices", "1").returncode == 0
