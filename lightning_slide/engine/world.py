@@ -15,11 +15,10 @@ from .rows import Contribution, Rows
 
 
 class DataParallel:
-    """The gradients of one process averaged with the others' (``group``: the default group)."""
+    """The gradients of one process averaged with the others' of the default group."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
+    def __init__(self) -> None:
+        self.size = dist.get_world_size()
 
     def average(self, grads: dict[int, Contribution], unit: str) -> dict[int, Contribution]:
         """The mean over the processes of each contribution (by parameter index) of ``unit``. Every process calls it
@@ -42,24 +41,25 @@ class DataParallel:
     def _dense(self, grad: Tensor) -> Tensor:
         # summed in fp32 where the gradient is lower precision (DDP's gradients are those of fp32 parameters)
         total = grad.float() if grad.dtype != torch.float32 else grad
-        dist.all_reduce(total, group=self.group)
+        dist.all_reduce(total)
         return total.div_(self.size)
 
     def _rows(self, rows: Rows) -> Rows:
         # the processes touched different rows: all of them, each process's in turn (duplicates add up where used)
-        count = torch.tensor([rows.index.numel()], dtype=torch.int64, device=rows.index.device)
+        mine = rows.index.numel()
+        count = torch.tensor([mine], dtype=torch.int64, device=rows.index.device)
         counts = [torch.empty_like(count) for _ in range(self.size)]
-        dist.all_gather(counts, count, group=self.group)
+        dist.all_gather(counts, count)
         sizes = [int(c) for c in counts]
         most = max(sizes)
         index = torch.zeros(most, dtype=rows.index.dtype, device=rows.index.device)
-        index[: rows.index.numel()] = rows.index
+        index[:mine] = rows.index
         values = torch.zeros((most, *rows.values.shape[1:]), dtype=torch.float32, device=rows.values.device)
-        values[: rows.index.numel()] = rows.values
+        values[:mine] = rows.values
         indices = [torch.empty_like(index) for _ in range(self.size)]
         all_values = [torch.empty_like(values) for _ in range(self.size)]
-        dist.all_gather(indices, index, group=self.group)
-        dist.all_gather(all_values, values, group=self.group)
+        dist.all_gather(indices, index)
+        dist.all_gather(all_values, values)
         index = torch.cat([t[:n] for t, n in zip(indices, sizes)])
         values = torch.cat([t[:n] for t, n in zip(all_values, sizes)])
         return Rows(index, values.div_(self.size))
