@@ -129,7 +129,10 @@ def test_the_nvme_tier_on_processes_trains_as_ddp_and_resumes_exactly(tmp_path):
 def test_a_process_that_dies_stops_the_others_with_an_error(tmp_path):
     done = _run("slideformer", tmp_path / "ours.pt", "--die-at", "2")
     assert done.returncode != 0
-    assert "with the other 1 process(es) failed: one of them stopped" in done.stderr
+    # the first process fails at its next gradient average, unless Lightning's launcher (in it) saw the child exit
+    # first and stopped it, naming the child
+    ours = "with the other 1 process(es) failed: one of them stopped" in done.stderr
+    assert ours or "terminated with code 9" in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.slow
