@@ -5,10 +5,10 @@
 - ``memory.png``: peak GPU (allocated) and peak host memory of each of those systems (``core.csv``);
 - ``attention.png``: attention TFLOP/s (forward and backward) by kernel and sequence length (``attention.csv``);
 - ``loss.png``: the training loss of the same run with and without the strategy (``loss.csv``, from
-  ``bench_loss.py``), when that file exists.
+  ``bench_loss.py``), when that file exists: its newest run, whatever ``--until`` says.
 
-Each point is the newest row of its system and shape dated on or before ``--until`` (default: any date), so a
-figure can be redrawn as of the runs a README table quotes. PNGs go to ``--out``.
+Each point of the others is the newest row of its system and shape dated on or before ``--until`` (default: any
+date), so a figure can be redrawn as of the runs a README table quotes. PNGs go to ``--out``.
 
     python benchmarks/plots.py --until 2026-12-01
 """
@@ -94,9 +94,9 @@ def attention(plt, path: str, out: str, until: str | None) -> None:
     fig.savefig(os.path.join(out, "attention.png"), dpi=120)
 
 
-def loss(plt, path: str, out: str, until: str | None) -> None:
+def loss(plt, path: str, out: str) -> None:
     with open(path) as f:
-        rows = [r for r in csv.DictReader(f) if until is None or r["date"] <= until]
+        rows = list(csv.DictReader(f))
     if not rows:
         return
     date = max(r["date"] for r in rows)  # the newest run of each system, drawn together
@@ -130,7 +130,7 @@ def main() -> None:
     memory(plt, core, args.out)
     attention(plt, os.path.join(args.results, "attention.csv"), args.out, args.until)
     if os.path.exists(os.path.join(args.results, "loss.csv")):
-        loss(plt, os.path.join(args.results, "loss.csv"), args.out, args.until)
+        loss(plt, os.path.join(args.results, "loss.csv"), args.out)
     print(f"wrote {', '.join(sorted(os.listdir(args.out)))} in {args.out}")
 
 

@@ -654,7 +654,7 @@ def test_the_readme_pictures_regenerate_from_the_csvs(tmp_path):
     pytest.importorskip("matplotlib")  # the plots extra (in the test extra too)
     script = os.path.join(ROOT, "benchmarks", "plots.py")
     subprocess.run([sys.executable, script, "--until", "2026-12-01", "--out", str(tmp_path)], check=True, timeout=300)
-    for name in ("throughput.png", "memory.png", "attention.png"):
+    for name in ("throughput.png", "memory.png", "attention.png", "loss.png"):
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
         with open(os.path.join(ROOT, "README.md")) as f:
