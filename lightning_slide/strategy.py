@@ -10,6 +10,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.pytorch.accelerators import CUDAAccelerator
@@ -26,6 +27,7 @@ from .device_draws import DrawOnDevice
 from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
 from .engine.nvme import sweep_stale_state
+from .engine.shared_host import SharedHost
 from .engine.world import DataParallel
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
@@ -207,6 +209,7 @@ class SlideFormerStrategy(Processes):
         self.engine: SlideEngine | None = None
         self._restores: list = []  # undo what setup changed on the user's model, at teardown
         self._world: DataParallel | None = None  # the processes of a data-parallel run, from setup
+        self._shared: SharedHost | None = None  # the memory a node's processes share, from setup
 
     # ---- device and precision ----------------------------------------------------------------------------------
 
@@ -247,6 +250,8 @@ class SlideFormerStrategy(Processes):
         if self.is_distributed:  # every process starts from the first one's weights, as under DDP
             broadcast_module(module, self.root_device)
             self._world = DataParallel()
+            if self.num_processes > 1:  # the node's processes hold the state once
+                self._shared = SharedHost(self.local_rank, self.num_processes, timeout=default_pg_timeout)
         optimizer = None
         if fitting:
             if not module.automatic_optimization:
@@ -368,7 +373,7 @@ class SlideFormerStrategy(Processes):
             cpu_threads=self.cpu_threads or (self._default_threads() if device.type == "cuda" else None),
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
             nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
-            world=self._world,
+            world=self._world, shared=self._shared,
         )  # fmt: skip
         stored = self._storage(layout, optimizer)[3]
         loss = self.install_loss and layout.causal_lm is not None
@@ -561,6 +566,8 @@ class SlideFormerStrategy(Processes):
                 optimizer.load_state_dict(state)
         if self.engine is not None:
             self.engine.state_io.adopt_loaded_state()
+            if self.engine.shared is not None:  # every process's rows are in before any of them saves them
+                self.engine.shared.main_barrier()
 
     @classmethod
     @override

@@ -5,6 +5,7 @@ weights to OUT. ``tests/test_data_parallel.py`` compares them with Lightning's D
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import CausalLM, tiny_config, token_data  # noqa: E402
 from lightning_slide import CausalLMModule, SlideFormerStrategy, TextDataModule, placement  # noqa: E402
 from lightning_slide import strategy as strategy_module  # noqa: E402
+from lightning_slide.engine import optim  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("strategy", choices=["ddp", "slideformer"])
@@ -36,6 +38,7 @@ parser.add_argument("--not-whole", action="store_true", help="the whole model 'd
 parser.add_argument("--host-mib", type=int, default=None, help="the RAM the machine has free")
 parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
+parser.add_argument("--report", default=None, help="each process writes REPORT.RANK: where its state lives")
 args = parser.parse_args()
 
 if args.host_mib:
@@ -71,6 +74,29 @@ class _Die(L.Callback):
             os._exit(9)
 
 
+updated = [0]  # elements this process's optimizer updated
+if args.report:
+    adam = optim.CpuOptimizer._adam
+
+    def _counting(ps, *rest, **kwargs):
+        updated[0] += sum(p.numel() for p in ps)
+        return adam(ps, *rest, **kwargs)
+
+    optim.CpuOptimizer._adam = staticmethod(_counting)
+
+
+def _shared_mappings() -> dict[int, tuple[int, int]]:
+    # this process's mappings of the node's shared state: inode -> (start, end) addresses
+    found = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/lightning-slide" in line:
+                span, _, _, _, inode = line.split()[:5]
+                start, end = (int(x, 16) for x in span.split("-"))
+                found[int(inode)] = (min(start, found.get(int(inode), (start, end))[0]), end)
+    return found
+
+
 saving = [ModelCheckpoint(os.path.dirname(args.out), "{step}", every_n_train_steps=args.save_at, save_top_k=-1)]
 trainer = L.Trainer(
     strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
@@ -85,3 +111,13 @@ if trainer.is_global_zero and args.strategy == "slideformer":
     print("kept on the device:", [u.name for u in strategy.plan.units if u.weights == "gpu"])
 if trainer.is_global_zero:
     torch.save({k: v.detach().float().cpu() for k, v in module.state_dict().items()}, args.out)
+if args.report:
+    spans = _shared_mappings()
+    optimizer = trainer.optimizers[0]
+    tensors = [p for g in optimizer.param_groups for p in g["params"]]
+    tensors += [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+    inside = [any(a <= t.data_ptr() < b for a, b in spans.values()) for t in tensors]
+    report = {"updated": updated[0], "inodes": sorted(spans), "shared": sum(inside),
+              "private": len(inside) - sum(inside), "bytes": sum(b - a for a, b in spans.values())}  # fmt: skip
+    with open(f"{args.report}.{trainer.global_rank}", "w") as f:
+        json.dump(report, f)

@@ -1,5 +1,6 @@
 """Data parallel on the CPU (gloo): ``devices=N`` trains as Lightning's DDP with the same global batch."""
 
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,24 @@ def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
     done = _run("slideformer", tmp_path / "two.pt", "--host-mib", "100", "--devices", "2")
     assert done.returncode != 0
     assert "more host memory but only 0.05 GiB is available" in done.stderr
+
+
+@pytest.mark.parametrize("devices", [2, 3])
+def test_the_processes_of_a_node_hold_the_state_once_and_each_updates_its_share(tmp_path, devices):
+    # AdamW (two groups, tied embeddings) with clipping: masters, moments and the retained gradients in the memory
+    # the node's processes share; each process updates its rows of every parameter
+    options = ["--devices", str(devices), "--clip", "0.05"]
+    ours = _trained("slideformer", tmp_path / "ours.pt", *options, "--report", str(tmp_path / "report"))
+    ddp = _trained("ddp", tmp_path / "ddp.pt", *options)
+    err, where = max_rel_error(ours, ddp)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(devices)]
+    assert all(r["inodes"] == reports[0]["inodes"] and r["inodes"] for r in reports)  # the same memory
+    assert all(r["private"] == 0 and r["shared"] > 0 for r in reports)  # every parameter and state tensor in it
+    # masters, two moments and the retained gradients of the model's parameters, once (each mapping whole pages)
+    numel = sum(v.numel() for k, v in ours.items() if k != "model.lm_head.weight")  # tied to the embedding
+    assert 16 * numel <= reports[0]["bytes"] <= 16 * numel + 4096 * len(reports[0]["inodes"])
+    # 4 steps of every parameter, split among the processes by rows
+    updated = [r["updated"] for r in reports]
+    assert sum(updated) == 4 * numel
+    assert max(updated) - min(updated) <= 0.05 * sum(updated)

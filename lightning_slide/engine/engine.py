@@ -44,6 +44,7 @@ from .nvme import MASTER, NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
 from .planner import HostPlan, check_window, plan_host
 from .rows import Contribution
+from .shared_host import SharedHost
 from .state_io import StateIO
 from .step import Step
 from .tiling import TiledMLP, gated_mlp
@@ -94,6 +95,9 @@ class SlideEngine:
         config: the mechanism's knobs (``config.py``).
         resident: modules kept whole on the device (the GPU tier): out of every unit, their gradients stay there and
             the user's optimizer steps them there (``step.py``); blocks among them recompute in backward.
+        world: the processes of a data-parallel run (``world.py``): gradients averaged over them.
+        shared: the node's processes hold the masters, the optimizer state and the retained gradients once, each
+            updating its rows (``shared_host.py``; not with ``nvme_path``).
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class SlideEngine:
         config: EngineConfig | None = None,
         resident: list[tuple[str, nn.Module]] = (),
         world: DataParallel | None = None,
+        shared: SharedHost | None = None,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -131,6 +136,9 @@ class SlideEngine:
             raise ValueError("update_schedule='norm-first' streams every update; it keeps no module on the device.")
         self.config = config = config or EngineConfig()
         self.world = world
+        if shared is not None and nvme_path is not None:
+            raise ValueError("The NVMe tier keeps each process's optimizer state in files of its own; give no shared.")
+        self.shared = shared
         self.model, self.device, self.compute_dtype = model, device, compute_dtype
         self.schedule: Schedule = schedule
         self.on_nonfinite = on_nonfinite
@@ -258,13 +266,14 @@ class SlideEngine:
             read_ahead_bytes=self.config.nvme_read_ahead_bytes,
             disk_masters=self.disk_masters,
             activations=activations,
+            share=self.shared.size if self.shared is not None else 1,
         )
 
     def compact_grads(self) -> set[nn.Parameter]:
         """The parameters whose retained gradients the host keeps in the compute dtype (``compact_grads``): owned
         matrices computed with in bf16, with the "forward" schedule and no accumulation. Not where hooks read
         ``param.grad`` (an fp32 tensor there), nor shared weights (their contributions are summed in fp32), nor the
-        embedding (fp32 rows), nor with the state on disk."""
+        embedding (fp32 rows), nor with the state on disk or shared by a node's processes."""
         if not (
             self._compact_grads
             and self.optimizer is not None
@@ -273,6 +282,7 @@ class SlideEngine:
             and not self.hooks_read_grads
             and self.compute_dtype == torch.bfloat16
             and self.nvme_path is None
+            and self.shared is None
         ):
             return set()
         return {
@@ -341,7 +351,9 @@ class SlideEngine:
         move_except_parameters(self.model, self.device)
         for p in self.resident_params:
             p.data = p.data.to(self.device)
-        if self.transfer.is_cuda:
+        if self.shared is not None:
+            self._share()
+        elif self.transfer.is_cuda:
             for unit in self.units:
                 self.transfer.pin([p for p, o in zip(unit.params, unit.owner) if o is unit])
         self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots)
@@ -364,6 +376,27 @@ class SlideEngine:
             )  # fmt: skip
         self._patch()
 
+    def _share(self) -> None:
+        # the masters, then the optimizer state and the retained gradients, once for the node's processes
+        shared = self.shared
+        owned = [[p for p, o in zip(u.params, u.owner) if o is u] for u in self.units]
+        dtypes = [dict.fromkeys(p.dtype for p in params) for params in owned]
+        groups = [[p for p in params if p.dtype == d] for params, ds in zip(owned, dtypes) for d in ds]
+        flats = shared.tensors([(sum(p.numel() for p in group), group[0].dtype) for group in groups])
+        for group, flat in zip(groups, flats):
+            self.transfer.pin(group, flat, fill=shared.rank == 0)
+        shared.main_barrier()  # the first process's values are in
+        if self.optimizer is None:
+            return
+        trainable = self.streamed_trainable()
+        params = [p for group in owned for p in group if p in trainable]
+        self.optimizer.own_rows = {p: shared.rows(p) for group in owned for p in group}
+        keys = self._state_keys()
+        states = shared.tensors([(p.numel(), p.dtype) for p in params for _ in keys])
+        for i, (p, key) in enumerate((p, key) for p in params for key in keys):
+            self.optimizer.shared_state[p, key] = states[i].view(p.shape)
+        self.updates.share(shared, self.units)
+
     def _state_units(self) -> list[tuple[str, list[nn.Parameter]]]:
         # per unit, the trainable parameters it owns (what has optimizer state)
         trainable = self.streamed_trainable()
@@ -371,6 +404,8 @@ class SlideEngine:
         return [(name, params) for name, params in units if params]
 
     def _state_keys(self) -> tuple[str, ...]:
+        if self.optimizer.is_sgd:
+            return ("momentum_buffer",) if any(g["momentum"] for g in self.optimizer.optimizer.param_groups) else ()
         amsgrad = any(g.get("amsgrad") for g in self.optimizer.optimizer.param_groups)
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
 

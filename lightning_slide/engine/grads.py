@@ -229,6 +229,7 @@ class GradSender:
             updates.device_sq.pop(param, None)
         if readback:
             tr.wait(self._landed.get(param))  # the previous contribution's rows are back on the host
+        event = None  # (no rows of it are this process's: shared_host.py)
         for cut, shape, last in updates.chunks(param):
             landing = None if into_host else tr.take_landing(self.worker.raise_if_failed)
             numel = math.prod(shape)

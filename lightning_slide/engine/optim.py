@@ -68,6 +68,10 @@ class CpuOptimizer:
         self.optimizer = optimizer
         self.is_sgd = type(optimizer) is SGD
         self.store: NvmeStateStore | None = None
+        # state tensors in memory shared by a node's processes (shared_host.py), taken when the state is created,
+        # and the rows of each parameter this process updates
+        self.shared_state: dict[tuple[Tensor, str], Tensor] = {}
+        self.own_rows: dict[Tensor, slice | None] = {}
         self._group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._sgd_first: dict[Tensor, bool] = {}  # SGD: does this step create the momentum buffer?
 
@@ -108,17 +112,24 @@ class CpuOptimizer:
             first = hypers.momentum != 0 and state.get("momentum_buffer") is None
             self._sgd_first[param] = first
             if first:
-                state["momentum_buffer"] = torch.empty_like(param, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = self._new_state(param, "momentum_buffer")
             return
         if not state:
             # Same keys, dtypes and layout as torch.optim.Adam(fused=True) creates.
             state["step"] = torch.zeros((), dtype=torch.float32)
             if self.store is None:
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                if hypers.amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 2 + hypers.amsgrad]:
+                    state[key] = self._new_state(param, key)
         state["step"] += 1
+
+    def _new_state(self, param: Tensor, key: str) -> Tensor:
+        shared = self.shared_state.get((param, key))
+        if shared is None:
+            return torch.zeros_like(param, memory_format=torch.preserve_format)
+        part = own_part(shared, self.own_rows[param])
+        if part is not None:
+            part.zero_()  # the other processes zero theirs
+        return shared
 
     def update(
         self,
@@ -220,3 +231,11 @@ def _as_params(ps: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
 def rows_of(t: Tensor, rows: slice | None) -> Tensor:
     """``t``'s leading rows ``rows`` (``None``: all of it)."""
     return t if rows is None else t[rows]
+
+
+def own_part(t: Tensor, rows: slice | None) -> Tensor | None:
+    """The rows of ``t`` a process holds (``rows`` from ``SharedHost.rows``); ``None``: ``t`` is a scalar another
+    process holds."""
+    if t.dim() == 0 and rows is not None:
+        return None
+    return rows_of(t, rows)

@@ -63,6 +63,7 @@ def plan_host(
     read_ahead_bytes: int = 0,
     disk_masters: list[nn.Parameter] = (),
     activations: int = 0,
+    share: int = 1,
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
@@ -74,6 +75,8 @@ def plan_host(
         disk_masters: parameters whose fp32 masters are on disk too, in the state's blocks (their copy in RAM is
             given by ``frozen_bytes_per_element``).
         activations: host bytes of block inputs offloaded between forward and backward.
+        share: the node's processes that hold the masters, the optimizer state and the retained gradients once, in
+            shared memory (``shared_host.py``): each process's part of them is planned.
     """
     sizes = frozen_bytes_per_element or {}
 
@@ -98,6 +101,9 @@ def plan_host(
         state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * read_ahead_bytes)
     retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable) if retain_grads else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
+    if share > 1:  # all the masters move into shared memory at once
+        masters, state, retained = masters // share, state // share, retained // share
+        largest = masters
     locked = masters + retained + landing_bytes + activations if pinned else 0
     return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk, activations)
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .nvme import MASTER
-from .optim import CpuOptimizer
+from .optim import CpuOptimizer, own_part, rows_of
 
 
 class StateIO:
@@ -80,9 +80,15 @@ class StateIO:
         if self.optimizer is None:
             return
         store = self._store
+        shared = self.optimizer.shared_state
         for p, state in self.optimizer.optimizer.state.items():
             for key in [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0]:
                 if store is not None and p in store.regions:
                     store.write(p, key, state.pop(key))
+                elif (p, key) in shared:  # each of the node's processes puts its rows into the memory they share
+                    rows = self.optimizer.own_rows[p]
+                    if (part := own_part(shared[p, key], rows)) is not None:
+                        part.copy_(rows_of(state[key], rows))
+                    state[key] = shared[p, key]
                 else:
                     state[key] = state[key].clone()

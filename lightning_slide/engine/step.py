@@ -86,6 +86,7 @@ class Step:
         self.plan: StepPlan | None = None  # set from begin to finish
         self._measuring = False  # "norm-first": the backward pass running sums squares only
         self._norm_first_max = 0.0  # "norm-first": the max norm the step was clipped at
+        self._shown: dict[nn.Parameter, int] = {}  # "forward": gradients shown as param.grad, at their version
 
     def attach(self) -> Callable[[], None]:
         """Hook the user's optimizer: its ``step()`` ends this step (LR schedulers see a real step). Returns a
@@ -152,6 +153,8 @@ class Step:
             return
         self.sender.drain()
         self.worker.drain()
+        if self.updates.shared is not None:  # the other processes' rows of the shared gradients have landed too
+            self.updates.shared.main_barrier()
         split = self.rows.split if self.rows is not None else None
         for p in self.updates.pending:
             if split is not None and p is split.param:  # its touched rows only, in a buffer of their own
@@ -160,11 +163,22 @@ class Step:
                 continue
             if p.dtype == torch.float32 or getattr(p, "grad_dtype", p.dtype) is None:  # see SlideEngine.setup
                 p.grad = self.updates.host[p]
+                self._shown[p] = p.grad._version
 
     def grads_taken(self) -> None:
         """Hooks and clipping are done with ``param.grad``: hidden again, so the optimizer's own update finds none
         (the engine applies it). A gradient left on a master is one autograd put there itself: refused."""
         if self.schedule == "forward":  # the only schedule that shows them
+            changed = [p for p, version in self._shown.items() if p.grad is not None and p.grad._version != version]
+            self._shown.clear()
+            if changed and self.updates.shared is not None:
+                raise RuntimeError(
+                    f"A hook changed the gradient of {self._names.get(changed[0], 'a parameter')!r} in place between"
+                    " backward and the optimizer step. With several processes on a node, SlideFormer holds each"
+                    " gradient once for all of them, so every process changed the same memory. Read the gradients"
+                    " there, but change them in the LightningModule (e.g. scale the loss), or train with one process"
+                    " per node."
+                )
             for p in self.updates.pending:
                 p.grad = None
         self._check_resident()

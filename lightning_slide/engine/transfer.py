@@ -35,6 +35,17 @@ def aligned_empty(nbytes: int, align: int) -> Tensor:
     return raw[(-raw.data_ptr()) % align :][:nbytes]
 
 
+def _place(params: list[torch.nn.Parameter], flat: Tensor, fill: bool) -> None:
+    # each parameter becomes a view of the flat tensor, in order
+    offset = 0
+    for p in params:
+        view = flat[offset : offset + p.numel()].view(p.shape)
+        if fill:
+            view.copy_(p.data)
+        p.data = view
+        offset += p.numel()
+
+
 def _cuda_register(ptr: int, nbytes: int) -> int:
     return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
 
@@ -86,6 +97,8 @@ class Transfer:
             if nbytes < self.register_min_bytes:
                 return torch.empty(numel, dtype=dtype, pin_memory=True)
             return self._register(nbytes).view(dtype)
+        except PinnedMemoryError:
+            raise
         except RuntimeError as err:
             raise PinnedMemoryError(
                 f"Could not pin {nbytes / 2**30:.2f} GiB of host memory ({err}). Check `ulimit -l` (locked-memory"
@@ -93,31 +106,44 @@ class Transfer:
                 " pool)."
             ) from err
 
-    def pin(self, params: list[torch.nn.Parameter]) -> None:
+    def pin(self, params: list[torch.nn.Parameter], into: Tensor | None = None, *, fill: bool = True) -> None:
         """Move ``params`` (one unit's, all on the host) into pinned memory, one flat buffer per dtype (fp32 masters,
-        bf16 frozen weights); pinned already (e.g. a second fit() of the same module): left as they are."""
+        bf16 frozen weights); pinned already (e.g. a second fit() of the same module): left as they are.
+
+        Args:
+            into: a flat tensor of whole pages for all of them (one dtype; memory shared with other processes,
+                ``shared_host.py``): registered with the driver when the device is CUDA, and used as it is.
+            fill: copy the values into ``into`` (another process does it otherwise).
+        """
+        if into is not None:
+            if self.is_cuda:
+                self.register(into)
+            _place(params, into, fill)
+            return
         if not params or all(p.is_pinned() for p in params):
             return
         for dtype in dict.fromkeys(p.dtype for p in params):
             group = [p for p in params if p.dtype == dtype]
-            flat = self.host_empty(sum(p.numel() for p in group), dtype)
-            offset = 0
-            for p in group:
-                view = flat[offset : offset + p.numel()].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-                offset += p.numel()
+            _place(group, self.host_empty(sum(p.numel() for p in group), dtype), True)
+
+    def register(self, pages: Tensor) -> Tensor:
+        """Pin the host memory of ``pages`` (a tensor starting on a page, of whole pages) until :meth:`close`."""
+        nbytes = pages.numel() * pages.element_size()
+        code = _cuda_register(pages.data_ptr(), -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if code != 0:
+            raise PinnedMemoryError(
+                f"Could not pin {nbytes / 2**30:.2f} GiB of host memory (cudaHostRegister: CUDA error {code}). Check"
+                " `ulimit -l` (locked-memory limit) and free RAM, or lower the memory the run needs (fewer window"
+                " slots, a smaller landing pool)."
+            )
+        self._registered.append(pages)
+        return pages
 
     def _register(self, nbytes: int) -> Tensor:
         # Whole pages of a private allocation are registered, so no page is shared with another buffer (a page
         # registered twice is an error).
         size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        pages = aligned_empty(size, mmap.PAGESIZE)
-        code = _cuda_register(pages.data_ptr(), size)
-        if code != 0:
-            raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
-        self._registered.append(pages)
-        return pages[:nbytes]
+        return self.register(aligned_empty(size, mmap.PAGESIZE))[:nbytes]
 
     def close(self) -> None:
         """Unregister the host memory this object pinned (the tensors stay valid, as pageable memory)."""

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .optim import CpuOptimizer, Hypers, rows_of
+from .optim import CpuOptimizer, Hypers, own_part, rows_of
+from .shared_host import SharedHost
 from .transfer import Transfer
 from .units import Unit
 from .worker import CpuWorker
@@ -128,18 +129,43 @@ class Updates:
         # leave, so clipping by norm costs the CPU no pass over the gradients.
         self.device_sq: dict[nn.Parameter, Tensor] = {}
         self._widening: Tensor | None = None  # the worker's fp32 chunk for a compact gradient's update
+        self.shared: SharedHost | None = None  # the node's processes share the state, each updating its rows
+
+    def share(self, shared: SharedHost, units: list[Unit]) -> None:
+        """The node's processes hold the retained gradients once (``shared_host.py``): their buffers, made now (every
+        process at once), and each process's rows (``CpuOptimizer.own_rows``) from here on."""
+        self.shared = shared
+        if not self.retain:
+            return
+        owned = [[p for p, o in zip(u.params, u.owner) if o is u and p.requires_grad] for u in units]
+        owned = [params for params in owned if params]
+        flats = shared.tensors([(sum(p.numel() for p in params), torch.float32) for params in owned])
+        for params, flat in zip(owned, flats):
+            if self.transfer.is_cuda:
+                self.transfer.register(flat)
+            offset = 0
+            for p in params:
+                self.host[p] = flat[offset : offset + p.numel()].view(p.shape)
+                self.fresh[p] = True
+                offset += p.numel()
+
+    def own_rows(self, param: nn.Parameter) -> slice | None:
+        """The rows of ``param`` this process moves and updates (``None``: all)."""
+        return self.optimizer.own_rows.get(param)
 
     def chunks(self, param: nn.Parameter) -> Iterator[tuple[slice | None, tuple[int, ...], bool]]:
         """``param``'s gradient in chunks of leading rows (with the NVMe tier, its blocks): each chunk's rows
         (``None`` for a scalar), shape, and whether it is the last."""
-        rows = param.shape[0] if param.dim() else 1
-        step = self.optimizer.chunk_rows(param, self.transfer.chunk_numel)
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            if not param.dim():
+        own = self.own_rows(param)
+        if not param.dim():
+            if own is None:
                 yield None, (), True
-            else:
-                yield slice(r0, r1), (r1 - r0, *param.shape[1:]), r1 == rows
+            return
+        start, stop = (own.start, own.stop) if own is not None else (0, param.shape[0])
+        step = self.optimizer.chunk_rows(param, self.transfer.chunk_numel)
+        for r0 in range(start, stop, step):
+            r1 = min(stop, r0 + step)
+            yield slice(r0, r1), (r1 - r0, *param.shape[1:]), r1 == stop
 
     # ---- retained buffers ------------------------------------------------------------------------------------
 
@@ -212,6 +238,8 @@ class Updates:
         else:
             self.optimizer.prefetch(rest)
             owner.update_done = self.worker.submit(self._update, owner.name, rest, plan, check_finite)
+        if self.shared is not None:  # the unit's weights are whole once every process has updated its rows
+            owner.update_done = self.worker.submit(self.shared.barrier)
 
     def count(self, plan: StepPlan) -> None:
         """One more update of ``plan``'s step is queued (main thread)."""
@@ -236,9 +264,15 @@ class Updates:
             values = torch.stack([self.device_sq[p] for p in on_device]).double().cpu().tolist()
             squares.update(zip(on_device, values))
         if on_host:
-            norms = torch._foreach_norm([self.host[p] for p in on_host], 2.0)
+            norms = torch._foreach_norm([self.held(p) for p in on_host], 2.0)
             squares.update((p, float(n) ** 2) for p, n in zip(on_host, norms))
-        return math.sqrt(sum(squares[p] for p in params))
+        total = sum(squares[p] for p in params)
+        return math.sqrt(self.shared.sum(total) if self.shared is not None else total)
+
+    def held(self, param: nn.Parameter) -> Tensor:
+        """This process's rows of ``param``'s retained gradient."""
+        part = own_part(self.host[param], self.own_rows(param))
+        return part if part is not None else self.host[param].new_zeros(0)  # a scalar another process updates
 
     def clip_by_norm(self, plan: StepPlan, total: float, max_norm: float, *, skip_nonfinite: bool) -> None:
         """Set ``plan``'s clipping coefficient from the global norm ``total``, exactly as
@@ -265,7 +299,8 @@ class Updates:
         """Apply the update to the rows ``cut`` of ``param`` with their landed gradient (streamed)."""
         try:
             hypers = plan.hypers[self.optimizer.group_index(param)]
-            if cut is None or cut.start == 0:
+            own = self.own_rows(param)
+            if cut is None or cut.start == (own.start if own is not None else 0):
                 self.optimizer.begin(param, hypers)
             self.optimizer.update([param], [grad], hypers, rows=[cut], grad_scale=plan.grad_scale)
             if last:
@@ -274,10 +309,15 @@ class Updates:
             self.transfer.give_landing(landing)
 
     def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
-        grads = [self.host[p] for p in params]
+        params = [p for p in params if p.dim() or self.own_rows(p) is None]  # not the scalars of other processes
+        rows = [self.own_rows(p) for p in params]
+        grads = [self.held(p) for p in params]
         if check_finite:
-            norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads, 2.0)]), 2.0)
-            if not torch.isfinite(norm):
+            norms = [n.float() for n in torch._foreach_norm(grads, 2.0)]
+            finite = bool(torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0))) if norms else True
+            if self.shared is not None:  # every process stops, or none
+                finite = self.shared.all_true(finite)
+            if not finite:
                 raise nonfinite(plan, name)
         compact = [g.dtype != torch.float32 for g in grads]  # bf16: widened chunk by chunk (_update_compact)
         groups: dict[int, list[int]] = {}
@@ -293,7 +333,8 @@ class Updates:
                 if plan.clip_value is not None:
                     torch._foreach_clamp_min_(wide, -plan.clip_value)
                     torch._foreach_clamp_max_(wide, plan.clip_value)
-                self.optimizer.update([params[i] for i in together], wide, hypers, grad_scale=plan.grad_scale)
+                self.optimizer.update([params[i] for i in together], wide, hypers, rows=[rows[i] for i in together],
+                                      grad_scale=plan.grad_scale)  # fmt: skip
             for i in idx:
                 if compact[i]:
                     self._update_compact(params[i], grads[i], hypers, plan)

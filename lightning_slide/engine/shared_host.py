@@ -1,0 +1,117 @@
+"""One copy of the state per host: the processes of a node hold the masters, the optimizer state and the retained
+gradients once, in shared memory, and each updates its own rows of every parameter.
+
+Each process maps the same files of ``/dev/shm`` (unlinked once all have mapped them, so nothing outlives the
+processes). A process moves to the host, and updates, only its share of each parameter's leading rows (``rows``); the
+others' rows are there already, in the same pages. So no update is gathered: a unit's update ends on the CPU worker
+with a barrier of the node's processes (``barrier``), after which any of them may send the unit's weights to its
+device. Nodes each hold a copy and apply the same averaged gradients, as DDP's replicas do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .nvme import size_text
+
+SHM = "/dev/shm"
+
+
+class SharedHost:
+    """The shared memory and the row shares of one node's processes.
+
+    Args:
+        local_rank: this process's index on its node.
+        local_size: processes per node (the global ranks of a node are consecutive, as Lightning numbers them).
+        timeout: how long a process waits for the others at a barrier.
+    """
+
+    def __init__(self, local_rank: int, local_size: int, *, timeout: datetime.timedelta) -> None:
+        self.rank, self.size = local_rank, local_size
+        # gloo groups of the node: one for the CPU worker's barriers, one for the training thread (collectives of one
+        # group must come in the same order on every process; the two threads' would interleave)
+        self._worker_group, _ = dist.new_subgroups(local_size, backend="gloo", timeout=timeout)
+        self._main_group, _ = dist.new_subgroups(local_size, backend="gloo", timeout=timeout)
+        name = [f"lightning-slide-{uuid.uuid4().hex}" if local_rank == 0 else None]
+        dist.broadcast_object_list(name, dist.get_global_rank(self._main_group, 0), group=self._main_group)
+        self._prefix = os.path.join(SHM, name[0])
+        self._count = 0
+
+    def rows(self, param: Tensor) -> slice | None:
+        """The leading rows of ``param`` this process moves and updates (``None``: all of it, a scalar's owner)."""
+        if param.dim() == 0:
+            return None if self.rank == 0 else slice(0, 0)
+        base, extra = divmod(param.shape[0], self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return slice(start, start + base + (self.rank < extra))
+
+    def tensors(self, sizes: list[tuple[int, torch.dtype]]) -> list[Tensor]:
+        """Flat tensors of these sizes, the same memory in every process of the node (zeros when new). Every process
+        calls it with the same sizes at the same point."""
+        needed = sum(_pages(n * _itemsize(d)) for n, d in sizes)
+        free = _shm_free()
+        if self.rank == 0 and needed > free:
+            raise MemoryError(
+                f"The processes of this node keep their state once, in shared memory ({SHM}), which needs"
+                f" {size_text(needed)} but has {size_text(free)} free. Enlarge {SHM} (a container:"
+                " `docker run --shm-size=...`), or run one process per node."
+            )
+        paths = []
+        for _ in sizes:
+            paths.append(f"{self._prefix}-{self._count}")
+            self._count += 1
+        if self.rank == 0:
+            for path, (n, dtype) in zip(paths, sizes):
+                with open(path, "xb") as f:
+                    f.truncate(_pages(n * _itemsize(dtype)))
+        self.main_barrier()
+        out = [
+            torch.from_file(path, shared=True, size=_pages(n * _itemsize(d)) // _itemsize(d), dtype=d)
+            for path, (n, d) in zip(paths, sizes)
+        ]
+        self.main_barrier()  # every process has them mapped: the names may go
+        if self.rank == 0:
+            for path in paths:
+                os.unlink(path)
+        return [t[:n] for t, (n, _) in zip(out, sizes)]
+
+    def barrier(self) -> None:
+        """Wait for the node's other processes (the CPU worker's: each calls it after the same update)."""
+        dist.barrier(group=self._worker_group)
+
+    def all_true(self, ok: bool) -> bool:
+        """Whether ``ok`` holds in every process of the node (the CPU worker's)."""
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._worker_group)
+        return bool(flag.item())
+
+    def sum(self, value: float) -> float:
+        """``value`` summed over the node's processes (the training thread's)."""
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self._main_group)
+        return float(total.item())
+
+    def main_barrier(self) -> None:
+        """Wait for the node's other processes (the training thread's)."""
+        dist.barrier(group=self._main_group)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _pages(nbytes: int) -> int:
+    # whole pages: the mapping may be registered with the driver (pinned) without sharing a page with another
+    return max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+
+
+def _shm_free() -> int:
+    stat = os.statvfs(SHM)
+    return stat.f_bavail * stat.f_frsize
