@@ -73,6 +73,21 @@ def test_a_checkpoint_of_processes_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("saved_by", "resumed_by"), [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, saved_by, resumed_by):
+    # the same global batches (4 rows) on 1 or 2 processes (TextDataModule); the checkpoint, mid-epoch, holds the
+    # whole state whoever saved it
+    def on(devices: int) -> list[str]:
+        return ["--text", "step", "--steps", "12", "--devices", str(devices), "--batch-size", str(4 // devices)]
+
+    straight = _trained("slideformer", tmp_path / "straight.pt", *on(saved_by), "--save-at", "5")
+    checkpoint = str(tmp_path / "step=5.ckpt")
+    resumed = _trained("slideformer", tmp_path / "resumed.pt", *on(resumed_by), "--resume", checkpoint)
+    err, where = max_rel_error(resumed, straight)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+@pytest.mark.slow
 def test_text_data_on_two_processes_trains_as_one_process_with_their_batches(tmp_path):
     # CausalLMModule on TextDataModule, loss normalized by the step's tokens: two processes of 2 rows are one of 4
     options = ["--text", "step", "--accumulate", "2"]
