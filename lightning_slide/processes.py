@@ -9,6 +9,8 @@ on NCCL (CUDA) or gloo (CPU). The collectives here are Lightning's own (``barrie
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,6 +95,15 @@ class Processes(ParallelStrategy):
             device_id = self.root_device if backend == "nccl" else None
             # a collective waits this long for a process that stopped answering (a dead one fails it at once)
             _init_dist_connection(self.cluster_environment, backend, timeout=default_pg_timeout, device_id=device_id)
+        if self.is_distributed:  # on the CPU, whatever the backend: the batch counts' check syncs no device
+            self._batch_group = dist.new_group(backend="gloo", timeout=default_pg_timeout)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.is_distributed and trainer is not None and trainer.training:
+            return EvenBatches(dataloader, self._batch_group, lambda: trainer.num_training_batches)
+        return dataloader
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -121,3 +132,57 @@ def broadcast_module(module: torch.nn.Module, device: torch.device) -> None:
             dist.broadcast(sent, 0)
             if sent is not tensor.data:
                 tensor.data.copy_(sent)
+
+
+class EvenBatches:
+    """A process's training batches, checked against the other processes' as each epoch starts: one that would run
+    fewer batches than another stops every process with an error that says so (otherwise a collective of one
+    process's epoch end would meet a gradient average of another's step). A loader of no length is checked as each
+    batch is taken and as its data ends (one small all-reduce on the CPU each time).
+
+    Everything else is the data loader's (``len``, ``sampler``, ``state_dict``).
+
+    Args:
+        loader: the process's training data loader.
+        group: a gloo group of every process.
+        count: the batches of an epoch of this process (Lightning's ``num_training_batches``; ``inf``: until its
+            data ends).
+    """
+
+    def __init__(self, loader: Any, group: Any, count: Callable[[], float]) -> None:
+        self.loader = loader
+        self.group = group
+        self.count = count
+
+    def __iter__(self):
+        count = float(self.count())
+        self._agree(count, f"{count:g} batches per epoch")
+        taken = 0
+        for batch in self.loader:
+            if count == math.inf:
+                self._agree(1, f"a batch more after {taken}")
+            taken += 1
+            yield batch
+        if count == math.inf:
+            self._agree(0, f"no batch more after {taken}")
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def _agree(self, value: float, what: str) -> None:
+        spread = torch.tensor([value, -value], dtype=torch.float64)
+        dist.all_reduce(spread, op=dist.ReduceOp.MIN, group=self.group)
+        if spread[0] == -spread[1]:
+            return
+        said = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(said, what, group=self.group)
+        raise RuntimeError(
+            "The processes have unequal numbers of training batches ("
+            + ", ".join(f"process {rank}: {text}" for rank, text in enumerate(said))
+            + "). Each step averages every process's gradients, so each process needs the same number of batches:"
+            " let Lightning's DistributedSampler split the data (use_distributed_sampler=True), or give each"
+            " process's loader the same length (drop_last=True; limit_train_batches)."
+        )

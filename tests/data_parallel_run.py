@@ -12,7 +12,7 @@ import sys
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import CausalLM, tiny_config, token_data  # noqa: E402
@@ -38,6 +38,7 @@ parser.add_argument("--not-whole", action="store_true", help="the whole model 'd
 parser.add_argument("--host-mib", type=int, default=None, help="the RAM the machine has free")
 parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
+parser.add_argument("--uneven", choices=["sized", "iterable"], help="each process a loader of its own, the last longer")
 parser.add_argument("--report", default=None, help="each process writes REPORT.RANK: where its state lives")
 args = parser.parse_args()
 
@@ -66,6 +67,14 @@ strategy = (
         device_memory_gib=args.device_memory_gib,
     )  # fmt: skip
 )
+
+
+class _Rows(IterableDataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __iter__(self):
+        return iter((row,) for row in self.rows)
 
 
 class _Die(L.Callback):
@@ -103,9 +112,13 @@ trainer = L.Trainer(
     enable_checkpointing=args.save_at is not None,
     callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else []),
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,
-    accumulate_grad_batches=args.accumulate,
+    accumulate_grad_batches=args.accumulate, use_distributed_sampler=args.uneven is None,
 )  # fmt: skip
-loader = None if data else DataLoader(TensorDataset(token_data(32)), batch_size=args.batch_size)
+rows = token_data(32)
+if args.uneven:  # 6 rows per process, 8 for the last
+    rows = rows[6 * rank : 6 * rank + (8 if rank == args.devices - 1 else 6)]
+dataset = TensorDataset(rows) if args.uneven != "iterable" else _Rows(rows)
+loader = None if data else DataLoader(dataset, batch_size=args.batch_size)
 trainer.fit(module, loader, datamodule=data, ckpt_path=args.resume)
 if trainer.is_global_zero and args.strategy == "slideformer":
     print("kept on the device:", [u.name for u in strategy.plan.units if u.weights == "gpu"])

@@ -151,6 +151,21 @@ def test_a_process_that_dies_stops_the_others_with_an_error(tmp_path):
     assert ours or "terminated with code 9" in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.parametrize(
+    ("loader", "said"),
+    [
+        ("sized", "(process 0: 3 batches per epoch, process 1: 4 batches per epoch)"),
+        ("iterable", "(process 0: no batch more after 3, process 1: a batch more after 3)"),
+    ],
+)
+def test_unequal_batch_counts_stop_every_process_with_an_error(tmp_path, loader, said):
+    # 3 batches per epoch on the first process, 4 on the second: found as the first epoch starts, or (a loader of no
+    # length) as the first process's data ends
+    done = _run("slideformer", tmp_path / "ours.pt", "--uneven", loader, "--steps", "10")
+    assert done.returncode != 0
+    assert f"unequal numbers of training batches {said}" in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
     # 100 MiB free: one process fits (it needs ~60 MiB), two each planning on all of it would not
