@@ -2,7 +2,7 @@
 ends, so every process holds the same gradients, applies the same updates and keeps the same weights (as
 ``DistributedDataParallel``, whose gradients are the mean over the processes).
 
-Every process holds the whole state (masters, optimizer state) here.
+The processes of a node hold one copy of the state between them, each updating its rows (``shared_host.py``).
 """
 
 from __future__ import annotations
