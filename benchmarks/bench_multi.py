@@ -1,11 +1,14 @@
 """Several GPUs (GPU machine): the module a user writes, trained data parallel on 1, 2 and 4 GPUs of one host.
 
-Systems, each through Lightning's ``Trainer(devices=N)``, every run a fresh process with no environment variables set:
+Systems, every run a fresh process with no environment variables set:
 
-- ``slideformer``: ``SlideFormerStrategy(device_memory_gib=--gpu-cap-gib)`` (each GPU capped);
-- ``fsdp2_offload``: Lightning's ``ModelParallelStrategy`` with FSDP2 ``fully_shard`` per block,
-  ``CPUOffloadPolicy(pin_memory=True)`` and bf16 compute (uncapped);
-- ``ddp``: Lightning's DDP, everything on each GPU (uncapped; an out-of-memory error is recorded as such).
+- ``slideformer``: Lightning's ``Trainer(devices=N)`` with ``SlideFormerStrategy(device_memory_gib=--gpu-cap-gib)``
+  (each GPU capped);
+- ``fsdp2_offload``: FSDP2 ``fully_shard`` per block with ``CPUOffloadPolicy(pin_memory=True)`` and bf16 compute, in a
+  loop of its own (uncapped; Lightning's ``ModelParallelStrategy`` moves the module to the GPU, which CPU offload does
+  not allow);
+- ``ddp``: ``Trainer(devices=N, strategy="ddp")``, everything on each GPU (uncapped; an out-of-memory error is
+  recorded as such).
 
 The model is the 2.8 B Llama shape of ``bench_core.py`` (``--layers``), bf16-mixed, AdamW, ``--batch`` sequences of
 ``--seq`` tokens per GPU. Reports global tokens/s (median step), the peak GPU memory of the first process, and the
@@ -43,6 +46,56 @@ def used_bytes() -> int:
     return fields["MemTotal"] - fields["MemAvailable"]
 
 
+def fsdp2_child(
+    rank: int, gpus: int, layers: int, batch: int, seq: int, steps: int, warmup: int, port: int, out
+) -> None:
+    """One process of FSDP2 with CPU offload, as its documentation sets it up (Lightning's ModelParallelStrategy
+    moves the module to the GPU after ``configure_model``, which CPU offload does not allow)."""
+    import torch.distributed as dist
+    from bench_core import make_model, param_count
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=gpus)
+    torch.manual_seed(0)
+    model = make_model(layers)
+    model.gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1)
+    g = torch.Generator().manual_seed(rank)
+    used: list[int] = []
+    ends = []
+    for i in range(warmup + steps):
+        if i == warmup and rank == 0:
+            threading.Thread(target=_sample, args=(used,), daemon=True).start()
+        ids = torch.randint(0, 128256, (batch, seq), generator=g).cuda()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+    if rank == 0:
+        out.put(_result(ends, warmup, gpus, batch, seq, param_count(layers), used))
+    dist.destroy_process_group()
+
+
+def _sample(used: list[int]) -> None:
+    while True:
+        used.append(used_bytes())
+        time.sleep(0.1)
+
+
+def _result(ends, warmup, gpus, batch, seq, params, used) -> dict:
+    step = statistics.median(b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:]))
+    gpu = torch.cuda.max_memory_allocated() / 2**30
+    return {"params": params, "step_s": step, "tok_s": gpus * batch * seq / step, "gpu_alloc_gib": gpu,
+            "host_peak_used": max(used, default=0)}  # fmt: skip
+
+
 def child(system: str, gpus: int, layers: int, batch: int, seq: int, steps: int, warmup: int, cap: float) -> None:
     """One run: Lightning's launcher starts the other processes by running this again; the first prints the result."""
     import lightning as L
@@ -63,18 +116,6 @@ def child(system: str, gpus: int, layers: int, batch: int, seq: int, steps: int,
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.1)
 
-    class Sharded(LM):  # FSDP2 as Lightning's ModelParallelStrategy runs it
-        def configure_model(self):
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-            mesh = self.device_mesh["data_parallel"]
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            offload = CPUOffloadPolicy(pin_memory=True)
-            self.model.gradient_checkpointing_enable()
-            for layer in self.model.model.layers:
-                fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
-            fully_shard(self.model, mesh=mesh, mp_policy=mp, offload_policy=offload)
-
     ends: list[float] = []
     used: list[int] = []
 
@@ -83,20 +124,11 @@ def child(system: str, gpus: int, layers: int, batch: int, seq: int, steps: int,
             torch.cuda.synchronize()
             ends.append(time.perf_counter())
             if len(ends) == warmup and trainer.is_global_zero:  # the timed steps: the host's memory sampled
-                threading.Thread(target=sample, daemon=True).start()
-
-    def sample() -> None:
-        while True:
-            used.append(used_bytes())
-            time.sleep(0.1)
+                threading.Thread(target=_sample, args=(used,), daemon=True).start()
 
     torch.manual_seed(0)
     if system == "slideformer":
         module, strategy = LM(), lightning_slide.SlideFormerStrategy(device_memory_gib=cap)
-    elif system == "fsdp2_offload":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        module, strategy = Sharded(), ModelParallelStrategy(data_parallel_size=gpus, tensor_parallel_size=1)
     else:
         module, strategy = LM(), "ddp"
         module.model.gradient_checkpointing_enable()
@@ -109,12 +141,7 @@ def child(system: str, gpus: int, layers: int, batch: int, seq: int, steps: int,
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=None))
     if trainer.is_global_zero:
-        times = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:])]
-        step = statistics.median(times)
-        print(json.dumps({
-            "params": param_count(layers), "step_s": step, "tok_s": gpus * batch * seq / step,
-            "gpu_alloc_gib": torch.cuda.max_memory_allocated() / 2**30, "host_peak_used": max(used, default=0),
-        }))  # fmt: skip
+        print(json.dumps(_result(ends, warmup, gpus, batch, seq, param_count(layers), used)))
 
 
 def main() -> None:
@@ -133,7 +160,12 @@ def main() -> None:
     sizes = [args.layers, args.batch, args.seq, args.steps, args.warmup]
     if args.child:
         system, gpus = args.child.split(":")
-        child(system, int(gpus), *sizes, args.gpu_cap_gib)
+        if system == "fsdp2_offload":
+            out = torch.multiprocessing.get_context("spawn").SimpleQueue()
+            torch.multiprocessing.spawn(fsdp2_child, (int(gpus), *sizes, 29533, out), nprocs=int(gpus))
+            print(json.dumps(out.get()))
+        else:
+            child(system, int(gpus), *sizes, args.gpu_cap_gib)
         return
     env = environment()
     import lightning

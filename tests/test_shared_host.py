@@ -74,7 +74,7 @@ def test_masters_in_shared_memory_are_pinned_and_go_up(shared):
     assert all(p.data_ptr() >= flat.data_ptr() for p in params)
     assert flat.is_pinned()
     out = [torch.empty(p.shape, dtype=torch.bfloat16, device=device) for p in params]
-    transfer.wait(transfer.upload(list(zip((p.data for p in params), out))))
+    transfer.wait(transfer.upload(list(zip((p.data for p in params), out)), None))
     for o, v in zip(out, values):
         torch.testing.assert_close(o.float().cpu(), v.bfloat16().float())
     transfer.close()
