@@ -24,6 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("strategy", choices=["ddp", "slideformer"])
 parser.add_argument("out")
 parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--num-nodes", type=int, default=1)
 parser.add_argument("--clip", type=float, default=None)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--schedule", default="auto")
@@ -108,7 +109,8 @@ def _shared_mappings() -> dict[int, tuple[int, int]]:
 
 saving = [ModelCheckpoint(os.path.dirname(args.out), "{step}", every_n_train_steps=args.save_at, save_top_k=-1)]
 trainer = L.Trainer(
-    strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.steps, logger=False,
+    strategy=strategy, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
+    logger=False,
     enable_checkpointing=args.save_at is not None,
     callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else []),
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,

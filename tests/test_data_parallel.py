@@ -105,6 +105,67 @@ def test_text_data_on_processes_resumes_exactly_mid_epoch(tmp_path):
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
+def _torchrun(out, nodes: int, per_node: int, *options: str, port: int) -> dict:
+    # torchrun's processes (Lightning's TorchElasticEnvironment), `nodes` of them started side by side on this machine
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                str(per_node),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                SCRIPT,
+                "slideformer",
+                str(out),
+                "--devices",
+                str(per_node),
+                "--num-nodes",
+                str(nodes),
+                *options,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for node in range(nodes)
+    ]
+    for run in runs:
+        _, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.slow
+def test_processes_started_by_torchrun_train_as_ddp(tmp_path):
+    ours = _torchrun(tmp_path / "ours.pt", 1, 2, "--clip", "0.05", port=29641)
+    ddp = _trained("ddp", tmp_path / "ddp.pt", "--clip", "0.05")
+    err, where = max_rel_error(ours, ddp)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+
+
+@pytest.mark.slow
+def test_two_nodes_each_holding_the_state_once_train_as_ddp(tmp_path):
+    # 2 "nodes" of 2 processes (torchrun's static rendezvous on this machine): each node maps its own copy of the
+    # state, its two processes half of every parameter's rows; the same 4 processes' global batches as DDP's
+    ours = _torchrun(tmp_path / "ours.pt", 2, 2, "--report", str(tmp_path / "report"), port=29643)
+    ddp = _trained("ddp", tmp_path / "ddp.pt", "--devices", "4")
+    err, where = max_rel_error(ours, ddp)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(4)]
+    assert reports[0]["inodes"] == reports[1]["inodes"] != reports[2]["inodes"] == reports[3]["inodes"]
+    numel = sum(v.numel() for k, v in ours.items() if k != "model.lm_head.weight")  # tied to the embedding
+    assert sum(r["updated"] for r in reports[:2]) == sum(r["updated"] for r in reports[2:]) == 4 * numel
+
+
 def test_step_batches_split_each_global_batch_among_the_processes():
     from lightning_slide.data import ResumableSampler, _Rows, _StepBatches
 
