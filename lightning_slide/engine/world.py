@@ -13,6 +13,8 @@ from torch import Tensor
 
 from .rows import Contribution, Rows
 
+BUCKET_NUMEL = 1 << 24  # fp32 elements averaged in one collective by average_in_place (64 MiB)
+
 
 class DataParallel:
     """The gradients of one process averaged with the others' of the default group."""
@@ -32,11 +34,32 @@ class DataParallel:
             ) from err
 
     def average_in_place(self, grads: list[Tensor], what: str) -> None:
-        """The mean over the processes, into each gradient (those the user's optimizer steps on the device)."""
-        averaged = self.average(dict(enumerate(grads)), what)
-        for grad, mean in zip(grads, averaged.values()):
-            if mean is not grad:
-                grad.copy_(mean)
+        """The mean over the processes, into each gradient (those the user's optimizer steps on the device): the
+        gradients of a dtype and device go flat into buckets of at most ``BUCKET_NUMEL`` elements, one all-reduce
+        each (as DDP's buckets; one per tensor took a collective's latency per parameter)."""
+        groups: dict[tuple, list[Tensor]] = {}
+        for grad in grads:
+            groups.setdefault((grad.dtype, grad.device), []).append(grad)
+        for group in groups.values():
+            bucket: list[Tensor] = []
+            for grad in group:
+                if bucket and sum(g.numel() for g in bucket) + grad.numel() > BUCKET_NUMEL:
+                    self._average_bucket(bucket, what)
+                    bucket = []
+                bucket.append(grad)
+            self._average_bucket(bucket, what)
+
+    def _average_bucket(self, grads: list[Tensor], what: str) -> None:
+        if len(grads) == 1:  # no copy of a large gradient (an fp32 one is averaged in place)
+            if (mean := self.average({0: grads[0]}, what)[0]) is not grads[0]:
+                grads[0].copy_(mean)
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        mean = self.average({0: flat}, what)[0]
+        offset = 0
+        for grad in grads:
+            grad.copy_(mean[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def _dense(self, grad: Tensor) -> Tensor:
         # summed in fp32 where the gradient is lower precision (DDP's gradients are those of fp32 parameters)
