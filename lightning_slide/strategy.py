@@ -249,8 +249,8 @@ class SlideFormerStrategy(Processes):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.is_distributed:  # every process starts from the first one's weights, as under DDP
             broadcast_module(module, self.root_device)
-            self._world = DataParallel()
-            if self.num_processes > 1:  # the node's processes hold the state once
+            self._world = DataParallel(self.num_processes)
+            if self.num_processes > 1:  # the node's processes hold the state once (in RAM; not the NVMe tier's)
                 self._shared = SharedHost(self.local_rank, self.num_processes, timeout=default_pg_timeout)
         optimizer = None
         if fitting:

@@ -523,7 +523,11 @@ class SlideEngine:
     def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None:
         """``unit``'s backward produced these gradients (by parameter index): on their way (``Step``)."""
         if self.step is not None and grads:
-            self.step.after_backward(unit, self.world.average(grads, unit.name) if self.world is not None else grads)
+            if self.world is not None:
+                own = self.optimizer.own_rows  # the rows a node's processes share out
+                split = {i for i in grads if unit.params[i] in own and unit.params[i].dim()}
+                grads = self.world.average(grads, unit.name, split)
+            self.step.after_backward(unit, grads)
 
     def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool:
         """Whether ``unit`` keeps its saved ``inputs`` in host memory: the first ``offloading`` blocks do (their

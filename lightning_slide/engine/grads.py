@@ -26,7 +26,7 @@ from .optim import rows_of
 from .rows import Contribution, Rows
 from .transfer import Transfer
 from .units import Unit
-from .updates import StepPlan, Updates, check_finite
+from .updates import StepPlan, Updates
 from .worker import CpuWorker
 
 # sends one parameter's contributions another way than whole chunks (the split embedding's touched rows)
@@ -192,7 +192,7 @@ class GradSender:
                 contributions = [c for o, _, cs in ready if o is owner for c in cs]
                 if streamed and not plan.norm_checked:  # "norm-first" found the norm finite
                     flag, flag_event = self._finite_flag(owner, contributions)
-                    self.worker.submit(check_finite, flag, plan, owner.name, after=flag_event)
+                    self.worker.submit(updates.check_flag, flag, plan, owner.name, after=flag_event)
                 elif not streamed and updates.retain:
                     self._window_finite(owner, contributions)
             for owner, param, contributions in ready:

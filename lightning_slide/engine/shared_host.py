@@ -48,9 +48,9 @@ class SharedHost:
         """The leading rows of ``param`` this process moves and updates (``None``: all of it, a scalar's owner)."""
         if param.dim() == 0:
             return None if self.rank == 0 else slice(0, 0)
-        base, extra = divmod(param.shape[0], self.size)
-        start = self.rank * base + min(self.rank, extra)
-        return slice(start, start + base + (self.rank < extra))
+        per = -(-param.shape[0] // self.size)  # equal shares (the last ones short): a reduce-scatter's (world.py)
+        start = min(self.rank * per, param.shape[0])
+        return slice(start, min(start + per, param.shape[0]))
 
     def tensors(self, sizes: list[tuple[int, torch.dtype]]) -> list[Tensor]:
         """Flat tensors of these sizes, the same memory in every process of the node (zeros when new). Every process
@@ -84,23 +84,35 @@ class SharedHost:
 
     def barrier(self) -> None:
         """Wait for the node's other processes (the CPU worker's: each calls it after the same update)."""
-        dist.barrier(group=self._worker_group)
+        self._all_reduce(torch.zeros(1), dist.ReduceOp.SUM, self._worker_group, "Updating")
 
     def all_true(self, ok: bool) -> bool:
         """Whether ``ok`` holds in every process of the node (the CPU worker's)."""
-        flag = torch.tensor([int(ok)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._worker_group)
-        return bool(flag.item())
+        return bool(self._all_reduce(torch.tensor([int(ok)]), dist.ReduceOp.MIN, self._worker_group, "Checking"))
 
     def sum(self, value: float) -> float:
         """``value`` summed over the node's processes (the training thread's)."""
         total = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(total, group=self._main_group)
-        return float(total.item())
+        return float(self._all_reduce(total, dist.ReduceOp.SUM, self._main_group, "Summing the gradient norm"))
 
     def main_barrier(self) -> None:
         """Wait for the node's other processes (the training thread's)."""
-        dist.barrier(group=self._main_group)
+        self._all_reduce(torch.zeros(1), dist.ReduceOp.SUM, self._main_group, "Sharing the state")
+
+    def _all_reduce(self, value: Tensor, op, group, what: str) -> float:
+        try:
+            dist.all_reduce(value, op=op, group=group)
+        except RuntimeError as err:  # a dead process closes gloo's connections
+            raise stopped(what, self.size - 1) from err
+        return value.item()
+
+
+def stopped(what: str, others: int) -> RuntimeError:
+    """The error of a collective that failed because another process stopped."""
+    return RuntimeError(
+        f"{what} with the other {others} process(es) failed: one of them stopped (killed, out of memory, or an error:"
+        " see its log above), or timed out."
+    )
 
 
 def _itemsize(dtype: torch.dtype) -> int:

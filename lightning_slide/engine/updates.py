@@ -67,12 +67,6 @@ def _streamed_done(plan: StepPlan, name: str) -> None:
         plan.applied.append(name)
 
 
-def check_finite(flag: Tensor, plan: StepPlan, name: str) -> None:
-    """Raise for a host flag (from the device) that says a gradient was not finite (on the worker)."""
-    if not bool(flag[0]):
-        raise nonfinite(plan, name)
-
-
 @dataclass
 class StepPlan:
     """What the next update applies, frozen when the optimizer step begins."""
@@ -268,6 +262,15 @@ class Updates:
             squares.update((p, float(n) ** 2) for p, n in zip(on_host, norms))
         total = sum(squares[p] for p in params)
         return math.sqrt(self.shared.sum(total) if self.shared is not None else total)
+
+    def check_flag(self, flag: Tensor, plan: StepPlan, name: str) -> None:
+        """Raise for a host flag (from the device) that says a gradient was not finite (on the worker); with a
+        node's processes sharing the rows out, in every process if in one (each checked its own rows)."""
+        finite = bool(flag[0])
+        if self.shared is not None:
+            finite = self.shared.all_true(finite)
+        if not finite:
+            raise nonfinite(plan, name)
 
     def held(self, param: nn.Parameter) -> Tensor:
         """This process's rows of ``param``'s retained gradient."""

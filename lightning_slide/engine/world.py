@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .rows import Contribution, Rows
+from .shared_host import stopped
 
 BUCKET_NUMEL = 1 << 24  # fp32 elements averaged in one collective by average_in_place (64 MiB)
 
@@ -19,19 +20,33 @@ BUCKET_NUMEL = 1 << 24  # fp32 elements averaged in one collective by average_in
 class DataParallel:
     """The gradients of one process averaged with the others' of the default group."""
 
-    def __init__(self) -> None:
+    def __init__(self, local_size: int = 1) -> None:
         self.size = dist.get_world_size()
+        self._node = self._nodes = None
+        if local_size > 1:  # a node's processes split each gradient's rows (shared_host.py): their groups
+            self._node, _ = dist.new_subgroups(local_size)
+            if self.size > local_size:  # the processes of each local rank, one per node
+                ranks = [list(range(r, self.size, local_size)) for r in range(local_size)]
+                self._nodes, _ = dist.new_subgroups_by_enumeration(ranks)
 
-    def average(self, grads: dict[int, Contribution], unit: str) -> dict[int, Contribution]:
+    def average(
+        self, grads: dict[int, Contribution], unit: str, split: set[int] = frozenset()
+    ) -> dict[int, Contribution]:
         """The mean over the processes of each contribution (by parameter index) of ``unit``. Every process calls it
-        for the same units in the same order (the backward's); a dense fp32 gradient is averaged in place."""
+        for the same units in the same order (the backward's); a dense fp32 gradient is averaged in place.
+
+        Args:
+            split: the indices of gradients whose rows the node's processes share out (``SharedHost.rows``): each
+                process gets the mean of its rows only (a reduce-scatter in the node, then an all-reduce across
+                nodes), the other rows holding its own gradient.
+        """
         try:
-            return {i: self._rows(c) if isinstance(c, Rows) else self._dense(c) for i, c in grads.items()}
+            return {
+                i: self._rows(c) if isinstance(c, Rows) else self._split(c) if i in split else self._dense(c)
+                for i, c in grads.items()
+            }
         except RuntimeError as err:  # gloo raises it, NCCL its subclass DistBackendError
-            raise RuntimeError(
-                f"Averaging the gradients of '{unit}' with the other {self.size - 1} process(es) failed: one of them"
-                " stopped (killed, out of memory, or an error: see its log above), or timed out."
-            ) from err
+            raise stopped(f"Averaging the gradients of '{unit}'", self.size - 1) from err
 
     def average_in_place(self, grads: list[Tensor], what: str) -> None:
         """The mean over the processes, into each gradient (those the user's optimizer steps on the device): the
@@ -66,6 +81,22 @@ class DataParallel:
         total = grad.float() if grad.dtype != torch.float32 else grad
         dist.all_reduce(total)
         return total.div_(self.size)
+
+    def _split(self, grad: Tensor) -> Tensor:
+        rows, size, rank = grad.shape[0], dist.get_world_size(self._node), dist.get_rank(self._node)
+        per = -(-rows // size)
+        if grad.dtype == torch.float32 and rows == per * size and grad.is_contiguous():
+            flat = grad
+        else:  # in fp32 (as _dense), padded to equal shares
+            flat = torch.zeros((per * size, *grad.shape[1:]), dtype=torch.float32, device=grad.device)
+            flat[:rows] = grad
+        mine = flat[rank * per : (rank + 1) * per]
+        # NOTE: in place, into this process's share of the input (NCCL's in-place form; gloo takes it too)
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(mine, flat, group=self._node)
+        if self._nodes is not None:
+            dist.all_reduce(mine, group=self._nodes)
+        mine.div_(self.size)
+        return flat[:rows]
 
     def _rows(self, rows: Rows) -> Rows:
         # the processes touched different rows: all of them, each process's in turn (duplicates add up where used)
