@@ -40,6 +40,7 @@ parser.add_argument("--host-mib", type=int, default=None, help="the RAM the mach
 parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
 parser.add_argument("--uneven", choices=["sized", "iterable"], help="each process a loader of its own, the last longer")
+parser.add_argument("--nan-at", type=int, default=None, help="the last process's loss is NaN at this step")
 parser.add_argument("--report", default=None, help="each process writes REPORT.RANK: where its state lives")
 args = parser.parse_args()
 
@@ -57,6 +58,15 @@ if args.text:  # the quickstart's model and data, smaller
 else:
     module = CausalLM(tiny_config("llama", tied=True))
     data = None
+if args.nan_at is not None:
+    training_step = module.training_step
+
+    def _nan_step(batch, batch_idx):
+        loss = training_step(batch, batch_idx)
+        last = module.trainer.global_rank == module.trainer.world_size - 1
+        return loss * float("nan") if module.trainer.global_step == args.nan_at and last else loss
+
+    module.training_step = _nan_step
 strategy = (
     "ddp"
     if args.strategy == "ddp"

@@ -228,6 +228,19 @@ def test_unequal_batch_counts_stop_every_process_with_an_error(tmp_path, loader,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("clip", [None, "0.05"])
+def test_a_non_finite_gradient_in_one_process_stops_every_process(tmp_path, clip):
+    # the last process's loss is NaN at step 2: its gradients, averaged, reach every process's rows; each process
+    # checks its own rows (or the norm, summed), and all of them stop with the error, none waits for the others
+    done = _run(
+        "slideformer", tmp_path / "ours.pt", "--nan-at", "2", "--devices", "3", *(["--clip", clip] if clip else [])
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("Non-finite gradient (NaN or Inf) at optimizer step 2") >= 1, done.stderr[-3000:]
+    assert "process(es) failed: one of them stopped" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
     # 100 MiB free: one process fits (it needs ~60 MiB), two each planning on all of it would not
     assert _run("slideformer", tmp_path / "one.pt", "--host-mib", "100", "--devices", "1").returncode == 0
