@@ -352,15 +352,10 @@ def run_all_gpu(layers, batch, seq, steps, warmup, trace_dir=None, accumulate=1)
     return out
 
 
-def run_fsdp2(layers, batch, seq, steps, warmup):
-    import torch.distributed as dist
+def fsdp2_offloaded(layers: int):
+    """The model under FSDP2: ``fully_shard`` per block and at the root, CPU offload, bf16 compute, HF recompute."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    start_measure()
     model = make_model(layers)
     model.gradient_checkpointing_enable()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -368,6 +363,18 @@ def run_fsdp2(layers, batch, seq, steps, warmup):
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def run_fsdp2(layers, batch, seq, steps, warmup):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    start_measure()
+    model = fsdp2_offloaded(layers)
     try:
         out = run_plain(model, batch, seq, steps, warmup, fused=True)
     except RuntimeError as err:  # fused CPU AdamW on DTensor shards may be missing: the foreach kernel then

@@ -52,19 +52,12 @@ def fsdp2_child(
     """One process of FSDP2 with CPU offload, as its documentation sets it up (Lightning's ModelParallelStrategy
     moves the module to the GPU after ``configure_model``, which CPU offload does not allow)."""
     import torch.distributed as dist
-    from bench_core import make_model, param_count
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from bench_core import fsdp2_offloaded, param_count
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=gpus)
     torch.manual_seed(0)
-    model = make_model(layers)
-    model.gradient_checkpointing_enable()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=True)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    model = fsdp2_offloaded(layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=True)  # torch's fastest on CPU
     g = torch.Generator().manual_seed(rank)
     used: list[int] = []
