@@ -41,6 +41,7 @@ parser.add_argument("--die-at", type=int, default=None, help="the last process e
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
 parser.add_argument("--uneven", choices=["sized", "iterable"], help="each process a loader of its own, the last longer")
 parser.add_argument("--nan-at", type=int, default=None, help="the last process's loss is NaN at this step")
+parser.add_argument("--halve-grads", action="store_true", help="a callback halves the gradients before each step")
 parser.add_argument("--report", default=None, help="each process writes REPORT.RANK: where its state lives")
 args = parser.parse_args()
 
@@ -88,6 +89,13 @@ class _Rows(IterableDataset):
         return iter((row,) for row in self.rows)
 
 
+class _Halve(L.Callback):
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
 class _Die(L.Callback):
     def on_train_batch_start(self, trainer, *_):
         if trainer.global_step == args.die_at and trainer.global_rank == trainer.world_size - 1:
@@ -122,7 +130,8 @@ trainer = L.Trainer(
     strategy=strategy, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
     logger=False,
     enable_checkpointing=args.save_at is not None,
-    callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else []),
+    callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else [])
+    + ([_Halve()] if args.halve_grads else []),
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,
     accumulate_grad_batches=args.accumulate, use_distributed_sampler=args.uneven is None,
 )  # fmt: skip

@@ -240,6 +240,16 @@ def test_a_non_finite_gradient_in_one_process_stops_every_process(tmp_path, clip
     assert "process(es) failed: one of them stopped" not in done.stderr, done.stderr[-3000:]
 
 
+def test_a_hook_changing_the_shared_gradients_is_refused_before_the_update(tmp_path):
+    # clipping shows the step's gradients as param.grad; the node's processes hold them once, so a callback halving
+    # them in every process would quarter them with two processes
+    done = _run("slideformer", tmp_path / "ours.pt", "--clip", "0.05", "--halve-grads")
+    assert done.returncode != 0
+    assert "A hook changed the gradient of 'model.model.embed_tokens.weight' in place" in done.stderr, done.stderr[
+        -3000:
+    ]
+
+
 @pytest.mark.slow
 def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
     # 100 MiB free: one process fits (it needs ~60 MiB), two each planning on all of it would not
