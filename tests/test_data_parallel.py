@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -245,9 +246,8 @@ def test_a_hook_changing_the_shared_gradients_is_refused_before_the_update(tmp_p
     # them in every process would quarter them with two processes
     done = _run("slideformer", tmp_path / "ours.pt", "--clip", "0.05", "--halve-grads")
     assert done.returncode != 0
-    assert "A hook changed the gradient of 'model.model.embed_tokens.weight' in place" in done.stderr, done.stderr[
-        -3000:
-    ]
+    said = re.search(r"A hook changed the gradient of 'model\.model\.[\w.]+' in place", done.stderr)
+    assert said, done.stderr[-3000:]
 
 
 @pytest.mark.slow
