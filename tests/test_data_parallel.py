@@ -217,7 +217,9 @@ def test_a_process_that_dies_stops_the_others_with_an_error(tmp_path):
     ("loader", "said"),
     [
         ("sized", "(process 0: 3 batches per epoch, process 1: 4 batches per epoch)"),
-        ("iterable", "(process 0: no batch more after 3, process 1: a batch more after 3)"),
+        pytest.param(
+            "iterable", "(process 0: no batch more after 3, process 1: a batch more after 3)", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_unequal_batch_counts_stop_every_process_with_an_error(tmp_path, loader, said):
@@ -259,7 +261,7 @@ def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
     assert "more host memory but only 0.05 GiB is available" in done.stderr
 
 
-@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("devices", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_the_processes_of_a_node_hold_the_state_once_and_each_updates_its_share(tmp_path, devices):
     # AdamW (two groups, tied embeddings) with clipping: masters, moments and the retained gradients in the memory
     # the node's processes share; each process updates its rows of every parameter
