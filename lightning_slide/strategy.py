@@ -210,6 +210,7 @@ class SlideFormerStrategy(Processes):
         self._restores: list = []  # undo what setup changed on the user's model, at teardown
         self._world: DataParallel | None = None  # the processes of a data-parallel run, from setup
         self._shared: SharedHost | None = None  # the memory a node's processes share, from setup
+        self._stepping = False  # within the optimizer step (the last accumulated micro-batch's backward)
 
     # ---- device and precision ----------------------------------------------------------------------------------
 
@@ -476,16 +477,21 @@ class SlideFormerStrategy(Processes):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        # the whole-model tier across processes: each micro-batch's gradients averaged, as DDP's (the engine averages
-        # the streamed units' as they leave backward)
-        if self.engine is None and self._world is not None:
+        # the whole-model tier across processes: the gradients summed over the accumulated micro-batches are averaged
+        # once, after the last one's backward (the one inside the optimizer step), as DDP's no_sync does; the engine
+        # averages the streamed units' as they leave backward
+        if self.engine is None and self._world is not None and self._stepping:
             grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
             self._world.average_in_place(grads, "the model")
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        with _explain_oom(self):  # the "forward" schedule sends the embedding's touched rows up at the step's end
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepping = True  # Lightning runs the last micro-batch's closure inside the step, the others before it
+        try:
+            with _explain_oom(self):  # the "forward" schedule sends the embedding's touched rows up at the step's end
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            self._stepping = False
 
     @override
     def on_validation_start(self) -> None:
