@@ -55,26 +55,24 @@ class SharedHost:
     def tensors(self, sizes: list[tuple[int, torch.dtype]]) -> list[Tensor]:
         """Flat tensors of these sizes, the same memory in every process of the node (zeros when new). Every process
         calls it with the same sizes at the same point."""
-        needed = sum(_pages(n * _itemsize(d)) for n, d in sizes)
-        free = _shm_free()
-        if self.rank == 0 and needed > free:
+        pages = [_pages(n * _itemsize(d)) for n, d in sizes]
+        needed, free = sum(pages), _shm_free()
+        if needed > free:  # every process sees it, and stops
             raise MemoryError(
                 f"The processes of this node keep their state once, in shared memory ({SHM}), which needs"
                 f" {size_text(needed)} but has {size_text(free)} free. Enlarge {SHM} (a container:"
                 " `docker run --shm-size=...`), or run one process per node."
             )
-        paths = []
-        for _ in sizes:
-            paths.append(f"{self._prefix}-{self._count}")
-            self._count += 1
+        paths = [f"{self._prefix}-{self._count + i}" for i in range(len(sizes))]
+        self._count += len(sizes)
         if self.rank == 0:
-            for path, (n, dtype) in zip(paths, sizes):
+            for path, nbytes in zip(paths, pages):
                 with open(path, "xb") as f:
-                    f.truncate(_pages(n * _itemsize(dtype)))
+                    f.truncate(nbytes)
         self.main_barrier()
         out = [
-            torch.from_file(path, shared=True, size=_pages(n * _itemsize(d)) // _itemsize(d), dtype=d)
-            for path, (n, d) in zip(paths, sizes)
+            torch.from_file(path, shared=True, size=nbytes // _itemsize(d), dtype=d)
+            for path, nbytes, (_, d) in zip(paths, pages, sizes)
         ]
         self.main_barrier()  # every process has them mapped: the names may go
         if self.rank == 0:
