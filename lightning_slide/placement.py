@@ -209,6 +209,7 @@ class Plan:
     host: HostPlan | None  # a streamed run's host memory
     offloaded_blocks: int = 0
     predicted_step_s: float | None = None
+    processes: int = 1  # of the node, each planned alike: its host and disk figures are one process's
     error: Exception | None = None
     engine: SlideEngine | None = None  # a streamed run's engine, not yet set up
 
@@ -217,12 +218,14 @@ class Plan:
         return self.error is None
 
     def to_json(self) -> dict[str, Any]:
-        host = self.host.masters + self.host.added if self.host is not None else 0
+        """The plan's figures: the GPU's of one process, the host's and the disk's of the node (all its processes)."""
+        host = (self.host.masters + self.host.added) * self.processes if self.host is not None else 0
         return {
             "fits": self.fits, "reason": str(self.error) if self.error else self.tier.reason,
             "placement": "resident" if self.tier.resident else "stream", "schedule": self.schedule,
-            "tokens_per_batch": self.tier.tokens, "gpu_bytes": self.device_bytes, "host_bytes": host,
-            "disk_bytes": self.host.disk if self.host is not None else 0, "offloaded_blocks": self.offloaded_blocks,
+            "processes": self.processes, "tokens_per_batch": self.tier.tokens, "gpu_bytes": self.device_bytes,
+            "host_bytes": host, "disk_bytes": self.host.disk * self.processes if self.host is not None else 0,
+            "offloaded_blocks": self.offloaded_blocks,
             "predicted_step_s": self.predicted_step_s, "units": [vars(u) for u in self.units],
         }  # fmt: skip
 
@@ -230,10 +233,11 @@ class Plan:
         """The plan as text: a line of figures, then one row per unit (consecutive alike units as one row)."""
         data = self.to_json()
         step = f"{self.predicted_step_s:.3g} s" if self.predicted_step_s is not None else "unknown"
+        node = f" (the node's {self.processes} processes)" if self.processes > 1 else ""
         lines = [
             f"placement: {data['placement']} ({self.tier.reason}); schedule: {self.schedule or 'plain'}; tokens per"
             f" batch: {self.tier.tokens}; GPU {self.device_bytes / GIB:.2f} GiB, host {data['host_bytes'] / GIB:.2f}"
-            f" GiB, disk {data['disk_bytes'] / GIB:.2f} GiB; offloaded blocks: {self.offloaded_blocks};"
+            f" GiB, disk {data['disk_bytes'] / GIB:.2f} GiB{node}; offloaded blocks: {self.offloaded_blocks};"
             f" predicted step: {step}",
             f"{'unit':<40} {'params':>14} {'weights':>8} {'optimizer':>9}",
         ]
@@ -318,12 +322,15 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
             device = peaks(engine) + held
     engine.planned = planned
     units = _placements(engine)
-    plan = Plan(tier, engine.schedule, units, device.peak, host, offloaded, engine=engine)
+    processes = options.shared.size if options.shared is not None else 1
+    plan = Plan(tier, engine.schedule, units, device.peak, host, offloaded, processes=processes, engine=engine)
     if work is not None:  # the CPU steps, and the weights that travel, are the streamed units' only
         rows_only = engine.embedding.name if engine.embedding is not None else None  # its rows travel, not its weights
         travel = sum(u.params for u in units if u.weights == "stream" and u.name != rows_only)
         trained = sum(p.numel() for p in engine.streamed_trainable()) if engine.optimizer is not None else 0
-        work = replace(work, streamed=travel, trained=trained, disk_state_bytes=2 * host.disk)
+        share = engine.shared.size if engine.shared is not None else 1
+        work = replace(work, streamed=travel, trained=trained, disk_state_bytes=2 * host.disk, processes=processes,
+                       share=share)  # fmt: skip
         plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
     if plan.error is None and cuda and device.peak > machine.device:
@@ -392,6 +399,12 @@ def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Excepti
         check_window(engine.device_bytes(), machine.device, engine.num_slots, engine.device)
         check_host(host, machine.host, machine.memlock, machine.disk, machine.disk_held)
     except (MemoryError, OSError, torch.OutOfMemoryError) as err:
+        if isinstance(err, MemoryError) and engine.shared is not None:  # a node's processes: whose figures these are
+            return MemoryError(
+                f"{err} These are each of this node's {engine.shared.size} processes' figures: each has loaded the"
+                " model and plans on its share of the RAM left, where the state is kept once; fewer processes per"
+                " node need less."
+            )
         return err
     return None
 

@@ -7,7 +7,9 @@ The model is built from its config on the meta device (``--model.model`` may be 
 ``config.json``), and the strategy makes the plan it would make at setup, from these figures only: ``--gpu-memory``
 less ``CUDA_CONTEXT_GIB`` (what the CUDA context takes outside the allocator), ``--host-memory`` less
 ``host_reserve`` (the operating system and the process itself) and less the model as loaded, no ``ulimit -l`` limit,
-and NVMe only with ``--nvme-free``. The predicted step time comes from :class:`~lightning_slide.rates.Rates`, whose
+and NVMe only with ``--nvme-free``. With ``--trainer.devices N`` (GPUs of the machine), the node's N processes each
+load the model and plan on 1/N of what is left, holding the state once between them; the host and disk figures
+printed are the node's. The predicted step time comes from :class:`~lightning_slide.rates.Rates`, whose
 figures the ``--rate-*`` flags override. Exit status 0 when the run fits, 1 when it does not (the reason printed).
 """
 
@@ -25,6 +27,7 @@ from dataclasses import fields, replace
 import torch
 
 from .engine.planner import GIB
+from .engine.shared_host import SharedHost
 from .models import find_layout
 from .placement import Machine
 from .rates import Rates
@@ -90,15 +93,19 @@ def _plan(cli_args: list[str], args: argparse.Namespace, rates: Rates):
     optimizer = module.make_optimizer()
     loaded = sum(p.numel() * p.element_size() for p in module.parameters())
     total = int(args.host_memory * GIB)
+    strategy = trainer.strategy
+    # --trainer.devices N: N processes, one per GPU, each loading the model and planning on its share of the RAM and
+    # the disk, as the strategy's processes do
+    share = strategy.num_processes
     machine = Machine(
         device=int((args.gpu_memory - CUDA_CONTEXT_GIB) * GIB),
-        host=total - host_reserve(total) - loaded,
-        disk=int(args.nvme_free * GIB) if args.nvme_free is not None else None,
+        host=(total - host_reserve(total) - share * loaded) // share,
+        disk=int(args.nvme_free * GIB) // share if args.nvme_free is not None else None,
     )
-    strategy = trainer.strategy
     layout = find_layout(module, strategy.blocks)
+    shared = SharedHost.on_paper(share) if share > 1 else None
     return strategy.plan_run(trainer, module, layout, optimizer, torch.device("cuda"), data.tokens_per_batch, machine,
-                             rates)  # fmt: skip
+                             rates, shared)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ on NCCL (CUDA) or gloo (CPU). The collectives here are Lightning's own (``barrie
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Callable
 from typing import Any
@@ -27,11 +28,19 @@ from typing_extensions import override
 
 
 class Processes(ParallelStrategy):
-    """A Lightning strategy whose world may span processes."""
+    """A Lightning strategy whose world may span processes.
 
-    def __init__(self, **kwargs: Any) -> None:
+    Args:
+        timeout: how long a collective waits for a process that stopped answering before it fails (a process that
+            died fails it at once); torch's default: 30 minutes.
+    """
+
+    def __init__(self, *, timeout: datetime.timedelta = default_pg_timeout, **kwargs: Any) -> None:
+        if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
+            raise ValueError(f"timeout must be a positive datetime.timedelta; got {timeout!r}.")
         self._parallel_devices: list[torch.device] = []
         self._num_nodes = 1
+        self.timeout = timeout
         super().__init__(**kwargs)
 
     @property
@@ -93,10 +102,9 @@ class Processes(ParallelStrategy):
             self.set_world_ranks()
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
             device_id = self.root_device if backend == "nccl" else None
-            # a collective waits this long for a process that stopped answering (a dead one fails it at once)
-            _init_dist_connection(self.cluster_environment, backend, timeout=default_pg_timeout, device_id=device_id)
+            _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout, device_id=device_id)
         if self.is_distributed:  # on the CPU, whatever the backend: the batch counts' check syncs no device
-            self._batch_group = dist.new_group(backend="gloo", timeout=default_pg_timeout)
+            self._batch_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

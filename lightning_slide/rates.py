@@ -14,7 +14,11 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
 - a streamed step also spends ``stream_start_s`` at its start, waiting for the last updates and the window's first
   uploads (fitted to the 2.8 B and 8 B runs);
 - the resident tier is plain training on the GPU: no recompute, no copies, the optimizer on the GPU (memory-bound,
-  ignored).
+  ignored);
+- several processes on a node, one per GPU, split its cores and its disk; sharing the state in RAM, each moves down
+  (and back up) only its share of the gradients' rows, over a PCIe link of its own, and steps only its share, so the
+  CPU's time per step is one process's alone (the NVMe tier: each steps, reads and writes all of it); the
+  gradients' collectives are not counted (they run beside the backward).
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class Work:
     streamed: int  # parameters whose weights go up each pass
     trained: int  # parameters the CPU optimizer steps (0 when resident)
     disk_state_bytes: int  # the NVMe tier's state, read and written once a step
+    processes: int = 1  # of the node: they split its cores and its disk
+    share: int = 1  # of them, those that split the trained rows (shared_host.py; the NVMe tier: each all of them)
 
 
 def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> float:
@@ -64,11 +70,12 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
     if schedule is None:
         return work.micro_batches * (forward + backward)
     up = 2 * 4 * work.streamed / (rates.pcie_gbs * 1e9)
-    readback = 4 * work.trained / (rates.pcie_gbs * 1e9)
-    down = 4 * work.trained / (rates.pcie_gbs * 1e9)
+    readback = 4 * work.trained / work.share / (rates.pcie_gbs * 1e9)
+    down = 4 * work.trained / work.share / (rates.pcie_gbs * 1e9)
     second = backward if schedule == "norm-first" else 0.0
     later = (work.micro_batches - 1) * max(forward + backward, up + readback, down)
     gpu = max(forward + backward, up, down) + later + second
-    update = max(work.trained / rates.cpu_params_per_s, work.disk_state_bytes / (rates.disk_gbs * 1e9))
+    cpu = work.trained / work.share / (rates.cpu_params_per_s / work.processes)
+    update = max(cpu, work.processes * work.disk_state_bytes / (rates.disk_gbs * 1e9))
     waits_for = {"backward": forward, "forward": backward, "norm-first": forward + backward}[schedule]
     return rates.stream_start_s + max(gpu, waits_for + update)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import shutil
@@ -120,6 +121,9 @@ class SlideFormerStrategy(Processes):
             those of the first batch, fetched ahead (the run still draws the same batches).
         engine: the engine's mechanism knobs (:class:`~lightning_slide.engine.EngineConfig`): transfer chunks,
             landing buffers, the embedding's update variants, bf16 retained gradients.
+        timeout: several processes: how long a collective waits for one that stopped answering (hung, or stuck
+            in a slow data loader) before every process stops with an error; torch's default, 30 minutes, as
+            ``DDPStrategy(timeout=...)``. A process that dies stops the others at once.
     """
 
     strategy_name = "slideformer"
@@ -144,6 +148,7 @@ class SlideFormerStrategy(Processes):
         device_memory_gib: float | None = None,
         tokens_per_batch: int | None = None,
         engine: EngineConfig | None = None,
+        timeout: datetime.timedelta = default_pg_timeout,
         accelerator: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
@@ -181,6 +186,7 @@ class SlideFormerStrategy(Processes):
         if optimizer_offload == "nvme" or (optimizer_offload == "auto" and nvme_path):
             nvme_path = _check_nvme_path(nvme_path)
         super().__init__(
+            timeout=timeout,
             accelerator=accelerator,
             checkpoint_io=checkpoint_io or SlideCheckpointIO(),  # streamed and atomic
             precision_plugin=precision_plugin,
@@ -250,9 +256,9 @@ class SlideFormerStrategy(Processes):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.is_distributed:  # every process starts from the first one's weights, as under DDP
             broadcast_module(module, self.root_device)
-            self._world = DataParallel(self.num_processes)
+            self._world = DataParallel(self.num_processes, self.root_device, timeout=self.timeout)
             if self.num_processes > 1:  # the node's processes hold the state once (in RAM; not the NVMe tier's)
-                self._shared = SharedHost(self.local_rank, self.num_processes, timeout=default_pg_timeout)
+                self._shared = SharedHost(self.local_rank, self.num_processes, timeout=self.timeout)
         optimizer = None
         if fitting:
             if not module.automatic_optimization:
@@ -362,10 +368,12 @@ class SlideFormerStrategy(Processes):
         tokens: int | None,
         machine: Machine,
         rates: Rates = Rates(),
+        shared: SharedHost | None = None,
     ) -> Plan:
         """The placement plan of training ``module`` (its parts in ``layout``) under ``trainer`` on ``device`` with
-        ``tokens`` per micro-batch, within ``machine``'s figures; nothing is allocated (``slide plan`` calls it on a
-        model on the meta device)."""
+        ``tokens`` per micro-batch, within ``machine``'s figures (one process's, ``shared`` the node's processes
+        holding the state once: this run's when ``None``); nothing is allocated (``slide plan`` calls it on a model
+        on the meta device)."""
         schedule = resolve_schedule(self.update_schedule, self.on_nonfinite, trainer, module)
         options = EngineOptions(
             num_slots=None if self.num_slots == "auto" else self.num_slots, update_schedule=self.update_schedule,
@@ -374,7 +382,7 @@ class SlideFormerStrategy(Processes):
             cpu_threads=self.cpu_threads or (self._default_threads() if device.type == "cuda" else None),
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
             nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
-            world=self._world, shared=self._shared,
+            world=self._world, shared=shared or self._shared,
         )  # fmt: skip
         stored = self._storage(layout, optimizer)[3]
         loss = self.install_loss and layout.causal_lm is not None

@@ -5,9 +5,11 @@ weights to OUT. ``tests/test_data_parallel.py`` compares them with Lightning's D
 """
 
 import argparse
+import datetime
 import json
 import os
 import sys
+import time
 
 import lightning as L
 import torch
@@ -40,6 +42,8 @@ parser.add_argument("--host-mib", type=int, default=None, help="the RAM the mach
 parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
 parser.add_argument("--uneven", choices=["sized", "iterable"], help="each process a loader of its own, the last longer")
+parser.add_argument("--stall-at", type=int, default=None, help="the last process stops answering at this step")
+parser.add_argument("--timeout", type=float, default=None, help="SlideFormerStrategy(timeout=...), in seconds")
 parser.add_argument("--nan-at", type=int, default=None, help="the last process's loss is NaN at this step")
 parser.add_argument("--halve-grads", action="store_true", help="a callback halves the gradients before each step")
 parser.add_argument("--report", default=None, help="each process writes REPORT.RANK: where its state lives")
@@ -77,6 +81,7 @@ strategy = (
         nvme_path=args.nvme_path,
         optimizer_offload="nvme" if args.nvme_path else "cpu",
         device_memory_gib=args.device_memory_gib,
+        **({"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}),
     )  # fmt: skip
 )
 
@@ -100,6 +105,17 @@ class _Die(L.Callback):
     def on_train_batch_start(self, trainer, *_):
         if trainer.global_step == args.die_at and trainer.global_rank == trainer.world_size - 1:
             os._exit(9)
+
+
+STALL_S = 90
+
+
+class _Stall(L.Callback):
+    def on_train_batch_start(self, trainer, *_):
+        if trainer.global_step == args.stall_at and trainer.global_rank == trainer.world_size - 1:
+            with open(f"{args.out}.stall", "w") as f:
+                f.write(str(time.time()))
+            time.sleep(STALL_S)
 
 
 updated = [0]  # elements this process's optimizer updated
@@ -131,6 +147,7 @@ trainer = L.Trainer(
     logger=False,
     enable_checkpointing=args.save_at is not None,
     callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else [])
+    + ([_Stall()] if args.stall_at is not None else [])
     + ([_Halve()] if args.halve_grads else []),
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,
     accumulate_grad_batches=args.accumulate, use_distributed_sampler=args.uneven is None,
@@ -140,7 +157,11 @@ if args.uneven:  # 6 rows per process, 8 for the last
     rows = rows[6 * rank : 6 * rank + (8 if rank == args.devices - 1 else 6)]
 dataset = TensorDataset(rows) if args.uneven != "iterable" else _Rows(rows)
 loader = None if data else DataLoader(dataset, batch_size=args.batch_size)
-trainer.fit(module, loader, datamodule=data, ckpt_path=args.resume)
+try:
+    trainer.fit(module, loader, datamodule=data, ckpt_path=args.resume)
+finally:
+    if args.stall_at is not None:
+        print(f"stopped at {time.time()}", file=sys.stderr)
 if trainer.is_global_zero and args.strategy == "slideformer":
     print("kept on the device:", [u.name for u in strategy.plan.units if u.weights == "gpu"])
 if trainer.is_global_zero:

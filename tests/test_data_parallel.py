@@ -12,11 +12,14 @@ import torch
 from helpers import max_rel_error
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_parallel_run.py")
+# a user's CPU run: the loss in torch ops, not in Triton's interpreter (the kernels' own tests use it), whose sums
+# differ from Hugging Face's loss in DDP by more than the 1e-5 these tests allow
+USER_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def _run(strategy: str, out, *options: str) -> subprocess.CompletedProcess:
     command = [sys.executable, SCRIPT, strategy, str(out), *options]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=USER_ENV)
 
 
 def _trained(strategy: str, out, *options: str) -> dict:
@@ -136,6 +139,7 @@ def _torchrun(out, nodes: int, per_node: int, *options: str, port: int) -> dict:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env=USER_ENV,
         )  # fmt: skip
         for node in range(nodes)
     ]
@@ -158,9 +162,14 @@ def test_two_nodes_each_holding_the_state_once_train_as_ddp(tmp_path):
     # 2 "nodes" of 2 processes (torchrun's static rendezvous on this machine): each node maps its own copy of the
     # state, its two processes half of every parameter's rows; the same 4 processes' global batches as DDP's
     ours = _torchrun(tmp_path / "ours.pt", 2, 2, "--report", str(tmp_path / "report"), port=29643)
+    one_node = _trained("slideformer", tmp_path / "one_node.pt", "--devices", "4")
+    err, where = max_rel_error(ours, one_node)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    # DDP sums the 4 processes' gradients in other orders (gloo's ring): measured 2.4e-5 from either of ours, 7e-7
+    # between them (Adam turns the last bits of small gradients into whole updates)
     ddp = _trained("ddp", tmp_path / "ddp.pt", "--devices", "4")
     err, where = max_rel_error(ours, ddp)
-    assert err < 1e-5, f"{where}: {err:.2e}"
+    assert err < 5e-5, f"{where}: {err:.2e}"
     reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(4)]
     assert reports[0]["inodes"] == reports[1]["inodes"] != reports[2]["inodes"] == reports[3]["inodes"]
     numel = sum(v.numel() for k, v in ours.items() if k != "model.lm_head.weight")  # tied to the embedding
@@ -211,6 +220,18 @@ def test_a_process_that_dies_stops_the_others_with_an_error(tmp_path):
     # first and stopped it, naming the child
     ours = "with the other 1 process(es) failed: one of them stopped" in done.stderr
     assert ours or "terminated with code 9" in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_process_that_stops_answering_stops_the_others_at_the_timeout(tmp_path):
+    # the last process sleeps 90 s at step 2: the first one's collectives give up after the 30 s timeout (which the
+    # processes' rendezvous takes too: a shorter one may not see the second process start on a loaded machine)
+    done = _run("slideformer", tmp_path / "ours.pt", "--stall-at", "2", "--timeout", "30")
+    assert done.returncode != 0
+    assert "with the other 1 process(es) failed: one of them stopped" in done.stderr, done.stderr[-3000:]
+    stalled = float((tmp_path / "ours.pt.stall").read_text())
+    first = min(float(s) for s in re.findall(r"stopped at ([\d.]+)", done.stderr))
+    assert first - stalled < 60, done.stderr[-3000:]  # it did not wait for the last one to wake
 
 
 @pytest.mark.parametrize(

@@ -128,3 +128,23 @@ def test_activations_beyond_the_gpu_stop_with_the_shortfall_or_are_offloaded(cap
     assert status == 0
     assert 0 < result["offloaded_blocks"] < 16
     assert result["gpu_bytes"] <= 8.5 * 2**30
+
+
+def test_the_processes_of_a_node_each_plan_on_their_share_and_hold_the_state_once(capsys, config_dir):
+    args = [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision", "bf16-mixed",
+            "--data.seq_len", "4096", "--gpu-memory", "24", "--json"]  # fmt: skip
+    _, out = _run(capsys, [*args, "--host-memory", "64"])
+    one = json.loads(out)
+    _, out = _run(capsys, [*args, "--host-memory", "64", "--trainer.devices", "2"])
+    two = json.loads(out)
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert one["gpu_bytes"] == two["gpu_bytes"]  # each GPU runs what one runs alone
+    # the node's figure: the masters and Adam's state once, each process's landing buffers and its move of its share
+    # of the masters into the shared memory
+    assert one["host_bytes"] < two["host_bytes"] < 2 * one["host_bytes"]
+    # every process loads the model (4.5 GiB in fp32) before its plan: RAM that fits one process need not fit two
+    status, out = _run(capsys, [*args, "--host-memory", "20"])
+    assert status == 0
+    status, out = _run(capsys, [*args, "--host-memory", "20", "--trainer.devices", "2"])
+    assert status == 1
+    assert "each of this node's 2 processes' figures" in json.loads(out)["reason"]

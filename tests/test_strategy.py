@@ -62,6 +62,7 @@ def test_unsupported_precision_is_a_clear_error(precision):
         ({"attention": "flash"}, "attention must be 'auto', 'slide', 'slide_kernel' or None"),
         ({"offload_activations": "sometimes"}, "offload_activations must be True, False or 'auto'"),
         ({"engine": {"landing_buffers": 8}}, "engine must be a lightning_slide.engine.EngineConfig"),
+        ({"timeout": 60}, "timeout must be a positive datetime.timedelta; got 60"),
     ],
 )
 def test_bad_options(kwargs, match):

@@ -523,11 +523,12 @@ class SlideEngine:
     def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None:
         """``unit``'s backward produced these gradients (by parameter index): on their way (``Step``)."""
         if self.step is not None and grads:
-            if self.world is not None:
+            averaged = None
+            if self.world is not None:  # started here, waited for on the way (world.py)
                 own = self.optimizer.own_rows  # the rows a node's processes share out
                 split = {i for i in grads if unit.params[i] in own and unit.params[i].dim()}
-                grads = self.world.average(grads, unit.name, split)
-            self.step.after_backward(unit, grads)
+                grads, averaged = self.world.average(grads, unit.name, split)
+            self.step.after_backward(unit, grads, averaged)
 
     def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool:
         """Whether ``unit`` keeps its saved ``inputs`` in host memory: the first ``offloading`` blocks do (their

@@ -56,6 +56,7 @@ class GradSender:
         self._stash: dict[nn.Parameter, list[Contribution]] = {}  # waiting for the owner's contribution
         self._owner_of: dict[nn.Parameter, Unit] = {}
         self._flags: dict[Unit, Tensor] = {}
+        self._averaging: list[Callable[[], None]] = []  # waits for gradients pushed, for the next send to call
         self._queued_bytes = 0
         self._room = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
@@ -66,13 +67,20 @@ class GradSender:
     def owner_of(self, param: nn.Parameter) -> Unit:
         return self._owner_of[param]
 
-    def push(self, unit: Unit, grads: dict[int, Contribution], plan: StepPlan | None) -> None:
+    def push(
+        self, unit: Unit, grads: dict[int, Contribution], plan: StepPlan | None,
+        averaged: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         """Send ``unit``'s gradients (by parameter index) on their way; called right after its backward.
 
         Args:
             plan: set when this backward completes the window and the updates stream (schedule "backward"): each
                 parameter is updated as soon as its gradient has arrived.
+            averaged: waits until the gradients hold their mean over the processes (``DataParallel.average``); the
+                sender calls it before it reads them.
         """
+        if averaged is not None:
+            self._averaging.append(averaged)
         ready: list[tuple[Unit, nn.Parameter, list[Contribution]]] = []
         for i, grad in grads.items():
             param, owner = unit.params[i], unit.owner[i]
@@ -134,7 +142,7 @@ class GradSender:
             raise self._error
 
     def _enqueue(self, ready: list, plan: StepPlan | None) -> None:
-        if not ready:
+        if not ready:  # (a contribution waiting for its owner: its averaging is waited for with the owner's)
             return
         nbytes = sum(t.numel() * t.element_size() for _, _, cs in ready for c in cs for t in _tensors(c))
         with self._room:
@@ -143,7 +151,8 @@ class GradSender:
                 self._raise()
             self._queued_bytes += nbytes
         self._raise()
-        self.put(partial(self._send, ready, plan, self.transfer.record()), nbytes)
+        averaging, self._averaging = self._averaging, []
+        self.put(partial(self._send, ready, plan, self.transfer.record(), averaging), nbytes)
 
     def _send_loop(self) -> None:
         if self.transfer.is_cuda:
@@ -165,8 +174,14 @@ class GradSender:
 
     # ---- on the sender thread --------------------------------------------------------------------------------
 
-    def _send(self, ready: list[tuple[Unit, nn.Parameter, list[Contribution]]], plan: StepPlan | None, event) -> None:
+    def _send(
+        self, ready: list[tuple[Unit, nn.Parameter, list[Contribution]]], plan: StepPlan | None, event,
+        averaging: list[Callable[[], None]],
+    ) -> None:  # fmt: skip
         tr, updates = self.transfer, self.updates
+        with tr.converting(event):  # the conversion stream (not the training one) waits for the averages
+            for wait in averaging:
+                wait()
         if plan is None and not updates.retain:
             raise RuntimeError(
                 "A backward pass ran outside the optimizer step, but gradients are not being kept across micro-batches."

@@ -44,6 +44,14 @@ class SharedHost:
         self._prefix = os.path.join(SHM, name[0])
         self._count = 0
 
+    @classmethod
+    def on_paper(cls, local_size: int) -> SharedHost:
+        """A node of ``local_size`` processes for a plan only (``slide plan``): its first process, no group, no
+        memory."""
+        host = cls.__new__(cls)
+        host.rank, host.size = 0, local_size
+        return host
+
     def rows(self, param: Tensor) -> slice | None:
         """The leading rows of ``param`` this process moves and updates (``None``: all of it, a scalar's owner)."""
         if param.dim() == 0:

@@ -102,15 +102,20 @@ class Step:
         if self.rows is not None:
             self.rows.begin_step()
 
-    def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None:
-        """``unit``'s backward produced these gradients (by parameter index): on their way."""
+    def after_backward(
+        self, unit: Unit, grads: dict[int, Contribution], averaged: Callable[[], None] | None = None
+    ) -> None:
+        """``unit``'s backward produced these gradients (by parameter index): on their way. ``averaged``: waits until
+        they hold the mean over the processes (``DataParallel.average``)."""
         if self.rows is not None and unit is self.rows.unit:
             self.rows.received()
         if self._measuring:
+            if averaged is not None:
+                averaged()
             self.sender.measure(unit, grads)
             return
         start = time.perf_counter()
-        self.sender.push(unit, grads, self.plan if self.schedule != "forward" else None)
+        self.sender.push(unit, grads, self.plan if self.schedule != "forward" else None, averaged)
         self.window.stats.wait_send_s += time.perf_counter() - start
 
     def backward(self, loss: torch.Tensor, run: Callable[..., None], max_norm: float | None = None) -> None:
