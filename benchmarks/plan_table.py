@@ -3,9 +3,12 @@ Large 2's dimensions) with the Llama-3.1-8B full fine-tune recipe (clip 1.0) at 
 accumulation, on a 24 GiB GPU with 128, 256 and 1536 GiB of RAM: without NVMe (``llama3_1_8b_full.yaml``: masters,
 AdamW state and the step's gradients in RAM), and with 4000 GiB free on one (``llama3_1_8b_full_nvme.yaml`` with
 ``nvme_masters: true``: the AdamW state and the blocks' fp32 masters on disk, bf16 block weights in RAM). The configs
-say ``dtype: bfloat16``, as the released ones do. Prints a Markdown table and appends CSV rows to --out.
+say ``dtype: bfloat16``, as the released ones do. ``--devices N``: a machine of N such GPUs, one process each
+(``--trainer.devices N``: the state once for them all, each process loading the model). Prints a Markdown table and
+appends CSV rows to --out.
 
     python benchmarks/plan_table.py --out benchmarks/results/plans.csv
+    python benchmarks/plan_table.py --models Llama-3.1-70B --host-memory 1536,2048 --devices 4 --no-nvme
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ def config_dir(root: str, name: str) -> str:
     return path
 
 
-def slide_plan(model_dir: str, gpu: float, host: float, nvme: float | None, batch: int) -> dict:
+def slide_plan(model_dir: str, gpu: float, host: float, nvme: float | None, batch: int, devices: int) -> dict:
     recipe = "recipes/llama3_1_8b_full.yaml" if nvme is None else "recipes/llama3_1_8b_full_nvme.yaml"
     argv = [sys.executable, "-m", "lightning_slide", "plan", "--config", recipe, "--model.model", model_dir,
             "--gpu-memory", str(gpu), "--host-memory", str(host), "--json", "--trainer.accumulate_grad_batches", "1",
-            "--data.batch_size", str(batch)]  # fmt: skip
+            "--data.batch_size", str(batch), "--trainer.devices", str(devices)]  # fmt: skip
     if nvme is not None:
         argv += ["--nvme-free", str(nvme), "--trainer.strategy.init_args.nvme_masters", "true"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,25 +60,31 @@ def main() -> None:
     parser.add_argument("--host-memory", default="128,256,1536")
     parser.add_argument("--nvme-free", type=float, default=4000.0, help="GiB free on the NVMe disk of the 'with' rows")
     parser.add_argument("--batch", type=int, default=2, help="sequences of 4096 tokens per step")
+    parser.add_argument("--devices", type=int, default=1, help="GPUs of the machine, one process each")
+    parser.add_argument("--models", default=",".join(MODELS), help="of: " + ", ".join(MODELS))
+    parser.add_argument("--no-nvme", action="store_true", help="only the rows without NVMe")
     parser.add_argument("--out", default="benchmarks/results/plans.csv")
     args = parser.parse_args()
     gib = 2**30
     table = [
-        "| model | RAM | NVMe | fits | schedule | kept on GPU | offloaded inputs | GPU | host | disk | step | tok/s |"
+        "| model | GPUs | RAM | NVMe | fits | schedule | kept on GPU | offloaded inputs | GPU | host | disk | step |"
+        " tok/s |"
     ]
-    table.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    table.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
-        for name in MODELS:
+        for name in args.models.split(","):
             model_dir = config_dir(root, name)
             for host in (float(h) for h in args.host_memory.split(",")):
-                for nvme in (None, args.nvme_free):
-                    plan = slide_plan(model_dir, args.gpu_memory, host, nvme, args.batch)
+                for nvme in (None,) if args.no_nvme else (None, args.nvme_free):
+                    plan = slide_plan(model_dir, args.gpu_memory, host, nvme, args.batch, args.devices)
                     fits = plan["fits"]
                     step = plan.get("predicted_step_s")
                     kept = [u["name"] for u in plan.get("units", []) if u["weights"] == "gpu"]
                     tokens = plan.get("tokens_per_batch")
+                    tokens = tokens * args.devices if tokens else tokens  # every GPU's
                     row = {
-                        "date": datetime.date.today().isoformat(), "model": name, "gpu_gib": args.gpu_memory,
+                        "date": datetime.date.today().isoformat(), "model": name, "devices": args.devices,
+                        "gpu_gib": args.gpu_memory,
                         "host_gib": host, "nvme_free_gib": nvme or 0, "fits": fits, "schedule": plan.get("schedule"),
                         "kept_on_gpu": len(kept), "offloaded_blocks": plan.get("offloaded_blocks"),
                         "gpu_gib_planned": plan.get("gpu_bytes", 0) / gib,
@@ -87,7 +96,8 @@ def main() -> None:
                     speed = f"{tokens / step:,.0f}" if fits and step and tokens else ""
                     shown = f"{step:.1f} s" if fits and step else ""
                     table.append(
-                        f"| {name} | {host:.0f} GiB | {'yes' if nvme else 'no'} | {'yes' if fits else 'no'} |"
+                        f"| {name} | {args.devices} | {host:.0f} GiB | {'yes' if nvme else 'no'} |"
+                        f" {'yes' if fits else 'no'} |"
                         f" {plan.get('schedule') or ''} | {', '.join(k.split('.')[-1] for k in kept) or '-'} |"
                         f" {plan.get('offloaded_blocks', '')} | {row['gpu_gib_planned']:.1f} |"
                         f" {row['host_gib_planned']:.0f} | {row['disk_gib_planned']:.0f} | {shown} | {speed} |"
