@@ -4,7 +4,7 @@ accumulation, on a 24 GiB GPU with 128, 256 and 1536 GiB of RAM: without NVMe (`
 AdamW state and the step's gradients in RAM), and with 4000 GiB free on one (``llama3_1_8b_full_nvme.yaml`` with
 ``nvme_masters: true``: the AdamW state and the blocks' fp32 masters on disk, bf16 block weights in RAM). The configs
 say ``dtype: bfloat16``, as the released ones do. ``--devices N``: a machine of N such GPUs, one process each
-(``--trainer.devices N``: the state once for them all, each process loading the model). Prints a Markdown table and
+(``--trainer.devices N``: the state once for them all, the first process loading the model). Prints a Markdown table and
 appends CSV rows to --out.
 
     python benchmarks/plan_table.py --out benchmarks/results/plans.csv

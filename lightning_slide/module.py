@@ -114,13 +114,19 @@ class CausalLMModule(L.LightningModule):
         parameter, the values bf16 compute reads), with norms, the embedding and the adapters in fp32; so does a base
         built from a config that says ``dtype: bfloat16``. Likewise, for full fine-tuning with the masters on NVMe
         (``SlideFormerStrategy(nvme_masters=True)``), the blocks' weight matrices load in bf16: their exact fp32
-        masters go to disk, and the rest is fp32."""
+        masters go to disk, and the rest is fp32. A node's processes but its first (data parallel) read no weights:
+        they build the model on the meta device and take the first one's weights at setup."""
         if self.model is not None:
+            return
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
+        if tokenizer is not None and (shapes := self._meta_model()) is not None:  # before any weight is loaded
+            check_vocab(len(tokenizer), shapes.get_input_embeddings().num_embeddings)
+        if not getattr(self.trainer.strategy if self._trainer is not None else None, "loads_weights", True):
+            self.configure_meta_model()  # a node's other processes take its first one's weights at setup
             return
         from transformers import AutoModelForCausalLM
 
         bf16_base = self._bf16_base()
-        # before any weight is made or loaded
         what = f"Loading {self.source}" if self.source else "Building config="
         _check_ram(self._meta_model(), what, bf16_base, head_fp32=self.lora is None)
         dtype = torch.bfloat16 if bf16_base else torch.float32
@@ -129,9 +135,6 @@ class CausalLMModule(L.LightningModule):
         else:
             model = AutoModelForCausalLM.from_config(self._architecture(), dtype=dtype)
         model = self._adapted(model, bf16_base)
-        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self._trainer is not None else None
-        if tokenizer is not None:
-            check_vocab(len(tokenizer), model.get_input_embeddings().num_embeddings)
         # from_pretrained returns the model in eval mode and Lightning trains in the mode it finds (it only warns):
         # dropout, the model's and LoRA's, would be off. The validation loop switches to eval and back.
         self.model = model.train(self.training)

@@ -401,9 +401,8 @@ def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Excepti
     except (MemoryError, OSError, torch.OutOfMemoryError) as err:
         if isinstance(err, MemoryError) and engine.shared is not None:  # a node's processes: whose figures these are
             return MemoryError(
-                f"{err} These are each of this node's {engine.shared.size} processes' figures: each has loaded the"
-                " model and plans on its share of the RAM left, where the state is kept once; fewer processes per"
-                " node need less."
+                f"{err} These are each of this node's {engine.shared.size} processes' figures: each plans on its share"
+                " of the RAM left, where the state is kept once; fewer processes per node need less."
             )
         return err
     return None

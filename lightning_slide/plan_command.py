@@ -7,10 +7,11 @@ The model is built from its config on the meta device (``--model.model`` may be 
 ``config.json``), and the strategy makes the plan it would make at setup, from these figures only: ``--gpu-memory``
 less ``CUDA_CONTEXT_GIB`` (what the CUDA context takes outside the allocator), ``--host-memory`` less
 ``host_reserve`` (the operating system and the process itself) and less the model as loaded, no ``ulimit -l`` limit,
-and NVMe only with ``--nvme-free``. With ``--trainer.devices N`` (GPUs of the machine), the node's N processes each
-load the model and plan on 1/N of what is left, holding the state once between them; the host and disk figures
-printed are the node's. The predicted step time comes from :class:`~lightning_slide.rates.Rates`, whose
-figures the ``--rate-*`` flags override. Exit status 0 when the run fits, 1 when it does not (the reason printed).
+and NVMe only with ``--nvme-free``. With ``--trainer.devices N`` (GPUs of the machine), the node's first process
+loads the model (the others build it on the meta device and map its weights) and the N processes plan on 1/N of what
+is left each, holding the state once between them; the host and disk figures printed are the node's. The predicted
+step time comes from :class:`~lightning_slide.rates.Rates`, whose figures the ``--rate-*`` flags override. Exit status
+0 when the run fits, 1 when it does not (the reason printed).
 """
 
 from __future__ import annotations
@@ -94,12 +95,12 @@ def _plan(cli_args: list[str], args: argparse.Namespace, rates: Rates):
     loaded = sum(p.numel() * p.element_size() for p in module.parameters())
     total = int(args.host_memory * GIB)
     strategy = trainer.strategy
-    # --trainer.devices N: N processes, one per GPU, each loading the model and planning on its share of the RAM and
-    # the disk, as the strategy's processes do
+    # --trainer.devices N: N processes, one per GPU, the first loading the model, each planning on its share of the
+    # RAM and the disk, as the strategy's processes do
     share = strategy.num_processes
     machine = Machine(
         device=int((args.gpu_memory - CUDA_CONTEXT_GIB) * GIB),
-        host=(total - host_reserve(total) - share * loaded) // share,
+        host=(total - host_reserve(total) - loaded) // share,
         disk=int(args.nvme_free * GIB) // share if args.nvme_free is not None else None,
     )
     layout = find_layout(module, strategy.blocks)

@@ -131,13 +131,13 @@ class Processes(ParallelStrategy):
         return _sync(tensor, group, reduce_op=reduce_op) if isinstance(tensor, torch.Tensor) else tensor
 
 
-def broadcast_module(module: torch.nn.Module, device: torch.device) -> None:
-    """The first process's parameters and buffers into every process's (through ``device``: NCCL sends device
-    tensors only)."""
+def broadcast_tensors(tensors: list[torch.Tensor], device: torch.device, group: Any = None) -> None:
+    """The values of ``group``'s first process (default group: the first process) into the other processes'
+    ``tensors`` (through ``device``: NCCL sends device tensors only)."""
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in tensors:
             sent = tensor.data.to(device)
-            dist.broadcast(sent, 0)
+            dist.broadcast(sent, group=group, group_src=0)
             if sent is not tensor.data:
                 tensor.data.copy_(sent)
 

@@ -28,7 +28,7 @@ from .device_draws import DrawOnDevice
 from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
 from .engine.nvme import sweep_stale_state
-from .engine.shared_host import SharedHost
+from .engine.shared_host import SharedHost, drop_weights, is_placeholder, placeholder
 from .engine.world import DataParallel
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
@@ -48,7 +48,7 @@ from .placement import (
     tokens_ahead,
 )
 from .precision import SlideFormerPrecision
-from .processes import Processes, broadcast_module
+from .processes import Processes, broadcast_tensors
 from .rates import Rates
 
 log = logging.getLogger(__name__)
@@ -254,11 +254,11 @@ class SlideFormerStrategy(Processes):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.is_distributed:  # every process starts from the first one's weights, as under DDP
-            broadcast_module(module, self.root_device)
+        if self.is_distributed:
             self._world = DataParallel(self.num_processes, self.root_device, timeout=self.timeout)
             if self.num_processes > 1:  # the node's processes hold the state once (in RAM; not the NVMe tier's)
                 self._shared = SharedHost(self.local_rank, self.num_processes, timeout=self.timeout)
+            self._start_alike(module)
         optimizer = None
         if fitting:
             if not module.automatic_optimization:
@@ -310,6 +310,7 @@ class SlideFormerStrategy(Processes):
         log.info("SlideFormer's placement plan:\n%s", self.plan.table())
         if self.tier.resident:
             self._convert(frozen, widen, half, dtype)
+            self._from_first(list(module.parameters()))
             self._setup_resident(module, layout, dtype, fitting)
             return
         self.engine = self.plan.engine
@@ -330,6 +331,8 @@ class SlideFormerStrategy(Processes):
             raise self.plan.error
         disk = set(self.engine.disk_masters)  # their exact fp32 masters go straight to disk at setup
         self._convert(frozen, [p for p in widen if p not in disk], half, dtype)  # after every check, before pinning
+        mapped = self.engine.mapped_params()
+        self._from_first([p for p in module.parameters() if p not in mapped])
         if cuda and dtype == torch.float32:
             log.info(
                 "SlideFormer computes in fp32 (precision='32-true', Lightning's default): Trainer(precision="
@@ -343,6 +346,29 @@ class SlideFormerStrategy(Processes):
         self.model = module
         if fitting:
             self.setup_precision_plugin()
+
+    @property
+    def loads_weights(self) -> bool:
+        """Whether this process needs the model's weights: ``False`` on a node's processes but its first, which take
+        the first one's at setup (what they load is dropped). Their ``configure_model`` may build the model on the
+        meta device instead of loading it (``CausalLMModule`` does), so a node loads the model once."""
+        return self.num_processes == 1 or self.local_rank == 0
+
+    def _start_alike(self, module: Any) -> None:
+        # every process starts from the first one's weights, as under DDP: a node's first processes receive them, the
+        # others hold none (freed on every process before any reads the RAM left) and take their node's first's
+        if not self.loads_weights:
+            drop_weights(module)
+        broadcast_tensors(list(module.buffers()), self.root_device)
+        if self.loads_weights and self.num_nodes > 1:
+            broadcast_tensors(list(module.parameters()), self.root_device, self._world.across_nodes)
+        if self._shared is not None:
+            self._shared.main_barrier()
+
+    def _from_first(self, params: list[nn.Parameter]) -> None:
+        # a node's processes but its first: the first one's values of the parameters they do not map from shared memory
+        if self._shared is not None:
+            self._shared.from_first(params)
 
     def _install_loss(self, layout: Layout, dtype: torch.dtype) -> None:
         # the logits-free loss: on the head's buffer when it streams, on its own weights when it is on the device
@@ -407,7 +433,7 @@ class SlideFormerStrategy(Processes):
                  dtype: torch.dtype) -> None:  # fmt: skip
         # the storage the plan counted: frozen matrices in the compute dtype, fp32 masters of half trained weights
         for p in frozen:
-            p.data = p.data.to(dtype)
+            p.data = _converted(p.data, dtype)
         if half and not widen:
             log.info("SlideFormer steps the %d parameters loaded in %s in that dtype, as plain Lightning does"
                      " (half_weights='keep').", len(half), half[0].dtype)  # fmt: skip
@@ -419,7 +445,7 @@ class SlideFormerStrategy(Processes):
                 len(widen), widen[0].dtype, sum(p.numel() for p in widen) * 2 / 2**30,
             )  # fmt: skip
             for p in widen:
-                p.data = p.data.float()
+                p.data = _converted(p.data, torch.float32)
 
     def _setup_resident(self, module: Any, layout: Any, dtype: torch.dtype, fitting: bool) -> None:
         # the resident tier: plain training on the device, with the logits-free loss on the head's own weights
@@ -542,7 +568,8 @@ class SlideFormerStrategy(Processes):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.loads_weights:  # the node's other processes take its first one's values at setup
+            super().load_model_state_dict(checkpoint, strict=strict)
         # a parameter holding fewer bits than its checkpointed fp32 master (a model loaded in bf16): the engine
         # puts the exact master on disk at setup (nvme_masters)
         params = dict(self.lightning_module.named_parameters())
@@ -599,6 +626,11 @@ class SlideFormerStrategy(Processes):
                 description="SlideFormer with Adam's state on NVMe (directory: $SLIDE_NVME_PATH)",
                 optimizer_offload="nvme",
             )
+
+
+def _converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a placeholder (a node's process holding no weights) stays one, in the new dtype
+    return placeholder(tensor.shape, dtype) if is_placeholder(tensor) else tensor.to(dtype)
 
 
 def _check_nvme_path(path: str | None) -> str:

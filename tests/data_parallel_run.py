@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import CausalLM, tiny_config, token_data  # noqa: E402
@@ -46,6 +47,7 @@ parser.add_argument("--stall-at", type=int, default=None, help="the last process
 parser.add_argument("--timeout", type=float, default=None, help="SlideFormerStrategy(timeout=...), in seconds")
 parser.add_argument("--nan-at", type=int, default=None, help="the last process's loss is NaN at this step")
 parser.add_argument("--halve-grads", action="store_true", help="a callback halves the gradients before each step")
+parser.add_argument("--pretrained", default=None, help="a module loading this directory as the README shows")
 parser.add_argument("--report", default=None, help="each process writes REPORT.RANK: where its state lives")
 args = parser.parse_args()
 
@@ -60,6 +62,19 @@ if args.text:  # the quickstart's model and data, smaller
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=262, max_position_embeddings=64)  # fmt: skip
     module = CausalLMModule(config=config, lr=3e-3, weight_decay=0.01, warmup_steps=2, normalize=args.text)
     data = TextDataModule(seq_len=32, batch_size=args.batch_size, val_fraction=0.0)
+elif args.pretrained:
+
+    class _Pretrained(CausalLM):
+        def configure_model(self):  # the README's: the weights read only where the strategy needs them
+            if self.model is not None:
+                return
+            if getattr(self.trainer.strategy, "loads_weights", True):
+                self.model = AutoModelForCausalLM.from_pretrained(args.pretrained)
+            else:
+                with torch.device("meta"):
+                    self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.pretrained))
+
+    module, data = _Pretrained(None), None
 else:
     module = CausalLM(tiny_config("llama", tied=True))
     data = None
@@ -129,6 +144,25 @@ if args.report:
     optim.CpuOptimizer._adam = staticmethod(_counting)
 
 
+held_at_plan = [None]  # bytes of parameter storage as the plan reads the RAM left
+built_on_meta = [None]  # configure_model built the model on the meta device (it read no weights)
+if args.report and args.strategy == "slideformer":
+    plan_run = strategy.plan_run
+
+    def _recording(trainer, module, *rest, **kwargs):
+        held_at_plan[0] = sum(p.untyped_storage().nbytes() for p in module.parameters())
+        return plan_run(trainer, module, *rest, **kwargs)
+
+    strategy.plan_run = _recording
+    configure_model = module.configure_model
+
+    def _building():
+        configure_model()
+        built_on_meta[0] = all(p.is_meta for p in module.parameters())
+
+    module.configure_model = _building
+
+
 def _shared_mappings() -> dict[int, tuple[int, int]]:
     # this process's mappings of the node's shared state: inode -> (start, end) addresses
     found = {}
@@ -173,6 +207,7 @@ if args.report:
     tensors += [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
     inside = [any(a <= t.data_ptr() < b for a, b in spans.values()) for t in tensors]
     report = {"updated": updated[0], "inodes": sorted(spans), "shared": sum(inside),
-              "private": len(inside) - sum(inside), "bytes": sum(b - a for a, b in spans.values())}  # fmt: skip
+              "private": len(inside) - sum(inside), "bytes": sum(b - a for a, b in spans.values()),
+              "held_at_plan": held_at_plan[0], "built_on_meta": built_on_meta[0]}  # fmt: skip
     with open(f"{args.report}.{trainer.global_rank}", "w") as f:
         json.dump(report, f)

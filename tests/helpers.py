@@ -45,7 +45,7 @@ class CausalLM(L.LightningModule):
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_config(config)
+        self.model = AutoModelForCausalLM.from_config(config) if config is not None else None  # None: configure_model
         self.optimizer_name, self.lr, self.use_scheduler = optimizer, lr, scheduler
         self.grad_norms: list[float] = []
 

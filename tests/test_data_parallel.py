@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import max_rel_error
+from helpers import max_rel_error, tiny_config
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_parallel_run.py")
 # a user's CPU run: the loss in torch ops, not in Triton's interpreter (the kernels' own tests use it), whose sums
@@ -94,11 +94,33 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, saved_by,
 @pytest.mark.slow
 def test_text_data_on_two_processes_trains_as_one_process_with_their_batches(tmp_path):
     # CausalLMModule on TextDataModule, loss normalized by the step's tokens: two processes of 2 rows are one of 4
+    # the second process reads no weights: it builds the model on the meta device and maps the first one's
     options = ["--text", "step", "--accumulate", "2"]
     one = _trained("slideformer", tmp_path / "one.pt", *options, "--devices", "1", "--batch-size", "4")
-    two = _trained("slideformer", tmp_path / "two.pt", *options, "--devices", "2", "--batch-size", "2")
+    report = str(tmp_path / "report")
+    two = _trained(
+        "slideformer", tmp_path / "two.pt", *options, "--devices", "2", "--batch-size", "2", "--report", report
+    )
     err, where = max_rel_error(two, one)
     assert err < 1e-5, f"{where}: {err:.2e}"
+    built_on_meta = [json.loads((tmp_path / f"report.{rank}").read_text())["built_on_meta"] for rank in range(2)]
+    assert built_on_meta == [False, True]
+
+
+@pytest.mark.slow
+def test_a_module_loading_its_weights_once_per_node_trains_as_ddp(tmp_path):
+    # the README's configure_model: from_pretrained of a local directory where strategy.loads_weights, the meta
+    # device elsewhere (DDP: every process loads)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_config("llama", tied=True)).save_pretrained(tmp_path / "model")
+    options = ["--pretrained", str(tmp_path / "model"), "--clip", "0.05"]
+    ddp = _trained("ddp", tmp_path / "ddp.pt", *options)
+    ours = _trained("slideformer", tmp_path / "ours.pt", *options, "--report", str(tmp_path / "report"))
+    err, where = max_rel_error(ours, ddp)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    built_on_meta = [json.loads((tmp_path / f"report.{rank}").read_text())["built_on_meta"] for rank in range(2)]
+    assert built_on_meta == [False, True]
 
 
 @pytest.mark.slow
@@ -297,6 +319,9 @@ def test_the_processes_of_a_node_hold_the_state_once_and_each_updates_its_share(
     # masters, two moments and the retained gradients of the model's parameters, once (each mapping whole pages)
     numel = sum(v.numel() for k, v in ours.items() if k != "model.lm_head.weight")  # tied to the embedding
     assert 16 * numel <= reports[0]["bytes"] <= 16 * numel + 4096 * len(reports[0]["inodes"])
+    # the model's weights once too: the others dropped what they loaded before the plan (one element per parameter)
+    assert reports[0]["held_at_plan"] >= 4 * numel
+    assert all(r["held_at_plan"] <= 4 * len(ours) for r in reports[1:])
     # 4 steps of every parameter, split among the processes by rows
     updated = [r["updated"] for r in reports]
     assert sum(updated) == 4 * numel

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_slide.engine.shared_host import SHM, SharedHost
+from lightning_slide.engine.shared_host import SHM, SharedHost, drop_weights
 from lightning_slide.engine.transfer import Transfer
 
 
@@ -37,6 +37,31 @@ def test_the_processes_rows_cover_each_parameter_once(size, rows):
     assert [s.start for s in shares] == [0] + [s.stop for s in shares[:-1]]
     assert shares[-1].stop == rows
     assert all(s.stop - s.start == -(-rows // size) for s in shares if s.stop < rows)  # equal shares, the last short
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_process_dropping_its_weights_keeps_each_parameter_but_no_memory(device):
+    # a node's process but its first, before the plan: what it loaded goes (or, built on the meta device, it never had
+    # any); the parameter objects stay (ties, attributes), and a later view of shared memory can take their place
+    with torch.device(device):
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+        model[0].register_buffer("table", torch.ones(3))
+    model[1].weight = model[0].weight
+    model[0].weight.marked = True
+    model[1].requires_grad_(True)
+    params = list(model.parameters())
+    drop_weights(model)
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert model[1].weight is model[0].weight
+    assert params[0].marked
+    assert params[0].requires_grad
+    assert params[0].shape == (50, 8)
+    assert params[0].device.type == "cpu"
+    assert params[0].untyped_storage().nbytes() == 4
+    assert model[0].table.device.type == "cpu"
+    assert model[0].table.shape == (3,)
+    params[0].data = torch.arange(400.0).view(50, 8)
+    assert model[1].weight[1, 0] == 8
 
 
 def test_the_shared_tensors_are_zeros_of_whole_pages_whose_names_are_gone(shared):

@@ -205,6 +205,13 @@ class SlideEngine:
         """Parameters that more than one unit computes with (tied embeddings)."""
         return self._shared
 
+    def mapped_params(self) -> set[nn.Parameter]:
+        """The parameters whose values :meth:`setup` maps from the memory the node's processes share (none without
+        ``shared``): each unit's own."""
+        if self.shared is None:
+            return set()
+        return {p for u in self.units for p, o in zip(u.params, u.owner) if o is u}
+
     def _forward_units(self) -> list[Unit]:
         return in_forward_order(self.embedding, self.blocks, self.head, self.leftovers)
 

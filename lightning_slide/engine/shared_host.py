@@ -6,6 +6,10 @@ processes). A process moves to the host, and updates, only its share of each par
 others' rows are there already, in the same pages. So no update is gathered: a unit's update ends on the CPU worker
 with a barrier of the node's processes (``barrier``), after which any of them may send the unit's weights to its
 device. Nodes each hold a copy and apply the same averaged gradients, as DDP's replicas do.
+
+The model's weights are held once too: a node's other processes drop what they loaded (``drop_weights``; a module
+built on the meta device holds nothing to drop) before the plan reads the RAM, and take the first process's values:
+mapped, where the state is shared, or received (``SharedHost.from_first``) where each process keeps its own copy.
 """
 
 from __future__ import annotations
@@ -88,6 +92,16 @@ class SharedHost:
                 os.unlink(path)
         return [t[:n] for t, (n, _) in zip(out, sizes)]
 
+    def from_first(self, tensors: list[Tensor]) -> None:
+        """The node's first process's values of ``tensors`` into the others' (which hold none: ``drop_weights``)."""
+        for tensor in tensors:
+            if self.rank:
+                tensor.data = torch.empty(tensor.shape, dtype=tensor.dtype)
+            try:
+                dist.broadcast(tensor.data, group=self._main_group, group_src=0)
+            except RuntimeError as err:
+                raise stopped("Receiving the weights", self.size - 1) from err
+
     def barrier(self) -> None:
         """Wait for the node's other processes (the CPU worker's: each calls it after the same update)."""
         self._all_reduce(torch.zeros(1), dist.ReduceOp.SUM, self._worker_group, "Updating")
@@ -111,6 +125,30 @@ class SharedHost:
         except RuntimeError as err:  # a dead process closes gloo's connections
             raise stopped(what, self.size - 1) from err
         return value.item()
+
+
+def drop_weights(module: torch.nn.Module) -> None:
+    """Every parameter of ``module`` keeps its shape and dtype but no memory (``placeholder``): its values come from
+    the node's first process at setup; a buffer on the meta device gets memory (for the first process's values)."""
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_meta:  # its data cannot be set to a CPU tensor: the object takes another's contents
+                empty = torch.nn.Parameter(placeholder(param.shape, param.dtype), param.requires_grad)
+                empty.__dict__.update(param.__dict__)
+                torch.utils.swap_tensors(param, empty)
+            else:
+                param.data = placeholder(param.shape, param.dtype)
+        for name, owner in [(n, m) for m in module.modules() for n, b in m.named_buffers(recurse=False) if b.is_meta]:
+            owner._buffers[name] = torch.empty_like(owner._buffers[name], device="cpu")
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` holding one element (every stride 0): no values, no memory."""
+    return torch.empty((), dtype=dtype).expand(shape)
+
+
+def is_placeholder(tensor: Tensor) -> bool:
+    return tensor.numel() > 1 and not any(tensor.stride())
 
 
 def stopped(what: str, others: int) -> RuntimeError:

@@ -47,6 +47,12 @@ class DataParallel:
                 if device is not None and device.type == "cuda":  # it waits for the node's part, then the nodes'
                     self._chain = torch.cuda.Stream(device)
 
+    @property
+    def across_nodes(self):
+        """With several nodes: the group of this process and those of its local rank on the other nodes (``None``:
+        the default group, one process per node)."""
+        return self._nodes
+
     def average(
         self, grads: dict[int, Contribution], unit: str, split: set[int] = frozenset()
     ) -> tuple[dict[int, Contribution], Callable[[], None]]:
