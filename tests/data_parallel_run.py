@@ -208,6 +208,7 @@ if args.report:
     inside = [any(a <= t.data_ptr() < b for a, b in spans.values()) for t in tensors]
     report = {"updated": updated[0], "inodes": sorted(spans), "shared": sum(inside),
               "private": len(inside) - sum(inside), "bytes": sum(b - a for a, b in spans.values()),
-              "held_at_plan": held_at_plan[0], "built_on_meta": built_on_meta[0]}  # fmt: skip
+              "held_at_plan": held_at_plan[0], "built_on_meta": built_on_meta[0],
+              "weights": [float(v.double().square().sum()) for v in module.state_dict().values()]}  # fmt: skip
     with open(f"{args.report}.{trainer.global_rank}", "w") as f:
         json.dump(report, f)

@@ -35,6 +35,12 @@ def _matches_ddp(tmp_path, *options: str) -> None:
     assert err < 1e-5, f"{where}: {err:.2e}"
 
 
+def _every_process_holds_the_trained_weights(tmp_path, devices: int) -> None:
+    # after fit, as under DDP: each process's module (the others started from no weights of their own)
+    weights = [json.loads((tmp_path / f"report.{rank}").read_text())["weights"] for rank in range(devices)]
+    assert all(w == weights[0] for w in weights[1:])
+
+
 def test_two_processes_train_as_ddp(tmp_path):
     # tied embeddings, AdamW with two param groups and a scheduler (helpers.CausalLM); each process starts from
     # other weights: the first process's reach the others, as under DDP
@@ -49,12 +55,13 @@ def test_processes_keeping_units_on_the_device_train_as_ddp(tmp_path, tier):
     options = ["--device-memory-gib", "2", "--clip", "0.05", "--accumulate", "2"]
     options += ["--not-whole"] if tier == "gpu-tier" else []
     ddp = _trained("ddp", tmp_path / "ddp.pt", *options)
-    done = _run("slideformer", tmp_path / "ours.pt", *options)
+    done = _run("slideformer", tmp_path / "ours.pt", *options, "--report", str(tmp_path / "report"))
     assert done.returncode == 0, done.stderr[-3000:]
     kept = "'model.model.layers.2'" + (", 'model.model.layers.3'" if tier == "whole" else "]")
     assert kept in done.stdout
     err, where = max_rel_error(torch.load(tmp_path / "ours.pt"), ddp)
     assert err < 1e-5, f"{where}: {err:.2e}"
+    _every_process_holds_the_trained_weights(tmp_path, 2)
 
 
 @pytest.mark.slow
@@ -322,6 +329,7 @@ def test_the_processes_of_a_node_hold_the_state_once_and_each_updates_its_share(
     # the model's weights once too: the others dropped what they loaded before the plan (one element per parameter)
     assert reports[0]["held_at_plan"] >= 4 * numel
     assert all(r["held_at_plan"] <= 4 * len(ours) for r in reports[1:])
+    _every_process_holds_the_trained_weights(tmp_path, devices)
     # 4 steps of every parameter, split among the processes by rows
     updated = [r["updated"] for r in reports]
     assert sum(updated) == 4 * numel
