@@ -3,8 +3,9 @@ without unpickling code or a second in-memory copy.
 
 With the optimizer state on NVMe, a checkpoint is a directory: ``checkpoint.pt`` (weights, hyperparameters, loop
 state, and for each moment or master that lives in a file a reference to where it lies there) and ``state/``,
-copies of the state files made by the kernel (``shutil.copyfile``: no pass through this process's memory). Loading
-maps the copies and checks each chunk's CRC before the state goes back into the live files.
+copies of the state files made by the kernel (``os.copy_file_range``: no pass through this process's memory), each
+assembled from the pieces the node's processes hold (``NvmeStateStore.pieces``). Loading maps the copies and checks
+each block's CRC before the state goes back into the live files.
 """
 
 from __future__ import annotations
@@ -52,16 +53,16 @@ class SlideCheckpointIO(TorchCheckpointIO):
     into a second copy, each checked against its CRC-32s. A save that a crash cut short is finished or undone at the
     next load or save (``_recover``).
 
-    ``storage_options``: ``{"state_files": [...]}``, the files that the checkpoint's state references point into
-    (the strategy passes them when the optimizer state is on NVMe).
+    ``storage_options``: ``{"state_pieces": [...]}``, what the files that the checkpoint's state references point
+    into are made of (``NvmeStateStore.pieces``; the strategy passes them when the optimizer state is on NVMe).
     """
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
         options = dict(storage_options or {})
-        state_files = options.pop("state_files", [])
+        pieces = options.pop("state_pieces", [])
         if options:
-            raise TypeError(f"SlideCheckpointIO takes only storage_options={{'state_files': [...]}}; got {options}.")
+            raise TypeError(f"SlideCheckpointIO takes only storage_options={{'state_pieces': [...]}}; got {options}.")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         _tidy(path.parent)
@@ -72,11 +73,7 @@ class SlideCheckpointIO(TorchCheckpointIO):
             if _references(checkpoint):
                 partial.mkdir(mode=0o700)  # private, as the live state files are
                 (partial / STATE_DIR).mkdir(mode=0o700)
-                for source in state_files:
-                    copy = partial / STATE_DIR / os.path.basename(source)
-                    shutil.copyfile(source, copy)
-                    os.chmod(copy, 0o600)
-                    _fsync(copy)
+                _assemble(pieces, partial / STATE_DIR)
                 _save(checkpoint, partial / CHECKPOINT_FILE)
             else:
                 _save(checkpoint, partial)
@@ -84,7 +81,7 @@ class SlideCheckpointIO(TorchCheckpointIO):
         except BaseException as err:
             _remove(partial)
             if isinstance(err, (OSError, RuntimeError)):
-                _raise_if_disk_full(err, path, _checkpoint_bytes(checkpoint, state_files))
+                _raise_if_disk_full(err, path, _checkpoint_bytes(checkpoint, pieces))
             raise
 
     @override
@@ -138,10 +135,40 @@ def _raise_if_disk_full(err: BaseException, path: Path, need: int) -> None:
         ) from err  # fmt: skip
 
 
-def _checkpoint_bytes(checkpoint: dict, state_files: list[str]) -> int:
-    # about what a checkpoint takes on disk: its tensors and the state files copied beside it
-    files = sum(os.path.getsize(f) for f in state_files if os.path.isfile(f))
-    return sum(t.numel() * t.element_size() for _, t in _tensors(checkpoint)) + files
+def _assemble(pieces: list[tuple[str, int, str, int, int]], folder: Path) -> None:
+    # each (source file, offset, name, offset there, bytes) copied into folder/name by the kernel, each file synced
+    sources: dict[str, int] = {}
+    targets: dict[str, int] = {}
+    try:
+        for source, at, name, to, nbytes in pieces:
+            if source not in sources:
+                sources[source] = os.open(source, os.O_RDONLY)
+            if name not in targets:
+                targets[name] = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            _copy_range(sources[source], targets[name], at, to, nbytes)
+        for fd in targets.values():
+            os.fsync(fd)
+    finally:
+        for fd in [*sources.values(), *targets.values()]:
+            os.close(fd)
+
+
+def _copy_range(source: int, target: int, at: int, to: int, nbytes: int) -> None:
+    while nbytes:
+        try:
+            done = os.copy_file_range(source, target, nbytes, at, to)
+        except OSError as err:  # a file system or kernel without it
+            if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            done = os.pwrite(target, os.pread(source, min(nbytes, 64 << 20), at), to)
+        if done == 0:
+            raise OSError(errno.EIO, f"a state file ended {nbytes} bytes short while it was copied")
+        at, to, nbytes = at + done, to + done, nbytes - done
+
+
+def _checkpoint_bytes(checkpoint: dict, pieces: list[tuple[str, int, str, int, int]]) -> int:
+    # about what a checkpoint takes on disk: its tensors and the state copied beside it
+    return sum(t.numel() * t.element_size() for _, t in _tensors(checkpoint)) + sum(p[-1] for p in pieces)
 
 
 def _tensors(value: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -275,9 +302,9 @@ def _resolve(ref: dict, path: Path, where: str, maps: dict[str, torch.Tensor]) -
             " from another checkpoint."
         )
     raw = maps[file.name][start : start + nbytes]
-    chunk = ref["chunk_bytes"]
-    for i, crc in enumerate(ref["crcs"]):
-        block = raw[i * chunk : (i + 1) * chunk]
+    at = 0
+    for size, crc in ref["blocks"]:
+        block, at = raw[at : at + size], at + size
         if bool(block.any()) if crc is None else zlib.crc32(block.numpy()) != crc:
             raise NvmeStateError(
                 f"State in {file} (bytes {start}..{start + nbytes}) of this checkpoint is corrupt (checksum"
@@ -295,16 +322,26 @@ def _state_file(ref: dict, path: Path, where: str) -> Path:
             " checksum: this one was altered or crafted. Resume from another checkpoint."
         )
 
-    name, shape, chunk, crcs = ref.get("nvme_state_file"), ref.get("shape"), ref.get("chunk_bytes"), ref.get("crcs")
+    chunk = ref.get("chunk_bytes")
+    if "blocks" not in ref and isinstance(ref.get("crcs"), list) and _natural(chunk) and chunk:
+        # written before the state was shared out by rows: blocks of one size
+        ref["blocks"] = [[min(chunk, ref.get("nbytes", 0) - i * chunk), crc] for i, crc in enumerate(ref["crcs"])]
+    name, shape, blocks = ref.get("nvme_state_file"), ref.get("shape"), ref.get("blocks")
     if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
         raise refuse(f"names {name!r}, not a file name")
     if not (isinstance(shape, list) and all(_natural(n) for n in shape) and all(_natural(ref.get(k)) for k in
-            ("offset", "nbytes", "chunk_bytes")) and chunk > 0 and isinstance(crcs, list)):  # fmt: skip
-        raise refuse("is malformed (offset, nbytes, shape, chunk_bytes, crcs)")
+            ("offset", "nbytes")) and isinstance(blocks, list)):  # fmt: skip
+        raise refuse("is malformed (offset, nbytes, shape, blocks)")
     if ref["nbytes"] != 4 * math.prod(shape):
         raise refuse(f"gives {ref['nbytes']} bytes for an fp32 tensor of shape {shape}")
-    if len(crcs) != -(-ref["nbytes"] // chunk) or not all(c is None or _natural(c) for c in crcs):
-        raise refuse("does not carry one checksum per block")
+    if (
+        not all(
+            isinstance(b, list) and len(b) == 2 and _natural(b[0]) and b[0] > 0 and (b[1] is None or _natural(b[1]))
+            for b in blocks
+        )
+        or sum(b[0] for b in blocks) != ref["nbytes"]
+    ):
+        raise refuse("does not carry a size and a checksum for each block, covering the tensor")
     folder = path / STATE_DIR
     file = folder / name
     if folder.is_symlink() or file.is_symlink() or (file.exists() and not stat.S_ISREG(file.lstat().st_mode)):

@@ -63,7 +63,7 @@ class EngineOptions:
     nvme_masters: bool
     config: EngineConfig
     world: DataParallel | None = None  # more than one process: their gradients averaged
-    shared: SharedHost | None = None  # more than one process on the node: they hold the state once (not on NVMe)
+    shared: SharedHost | None = None  # more than one process on the node: they hold the state once
 
 
 def resolve_schedule(update_schedule: str, on_nonfinite: str, trainer: Any, module: LightningModule) -> str:
@@ -135,7 +135,7 @@ def choose_engine(
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
             resident=resident if schedule != "norm-first" else (), world=options.world,
-            shared=options.shared if nvme_path is None else None,
+            shared=options.shared,
         )  # fmt: skip
 
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None

@@ -15,10 +15,11 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
   uploads (fitted to the 2.8 B and 8 B runs);
 - the resident tier is plain training on the GPU: no recompute, no copies, the optimizer on the GPU (memory-bound,
   ignored);
-- several processes on a node, one per GPU, split its cores and its disk; sharing the state in RAM, each moves down
-  (and back up) only its share of the gradients' rows, over a PCIe link of its own, and steps only its share, so the
-  CPU's time per step is one process's alone (the NVMe tier: each steps, reads and writes all of it); the
-  gradients' collectives are not counted (they run beside the backward).
+- several processes on a node, one per GPU, split its cores and its disk; sharing the state (in RAM, or each its
+  rows' in files of its own), each moves down (and back up) only its share of the gradients' rows, over a PCIe link of
+  its own, and steps only its share, so the CPU's time per step is one process's alone; the disk reads and writes the
+  whole state once a step, whoever holds it; the gradients' collectives are not counted (they run beside the
+  backward).
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ class Work:
     other_matmul: int  # weights of other matrices (head; everything when resident)
     streamed: int  # parameters whose weights go up each pass
     trained: int  # parameters the CPU optimizer steps (0 when resident)
-    disk_state_bytes: int  # the NVMe tier's state, read and written once a step
+    disk_state_bytes: int  # one process's NVMe state, read and written once a step
     processes: int = 1  # of the node: they split its cores and its disk
-    share: int = 1  # of them, those that split the trained rows (shared_host.py; the NVMe tier: each all of them)
+    share: int = 1  # of them, those that split the trained rows (shared_host.py)
 
 
 def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> float:

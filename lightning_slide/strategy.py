@@ -256,7 +256,7 @@ class SlideFormerStrategy(Processes):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.is_distributed:
             self._world = DataParallel(self.num_processes, self.root_device, timeout=self.timeout)
-            if self.num_processes > 1:  # the node's processes hold the state once (in RAM; not the NVMe tier's)
+            if self.num_processes > 1:  # the node's processes hold the state once (on NVMe, each its rows)
                 self._shared = SharedHost(self.local_rank, self.num_processes, timeout=self.timeout)
             self._start_alike(module)
         optimizer = None
@@ -594,9 +594,9 @@ class SlideFormerStrategy(Processes):
                       last)  # fmt: skip
             return
         # with the optimizer state on NVMe, the checkpoint references the state files; they are copied beside it
-        files = self.engine.state_io.state_files() if self.engine is not None else []
-        if files:
-            storage_options = {**(storage_options or {}), "state_files": files}
+        pieces = self.engine.state_io.state_pieces() if self.engine is not None else []
+        if pieces:
+            storage_options = {**(storage_options or {}), "state_pieces": pieces}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -33,6 +33,8 @@ parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--schedule", default="auto")
 parser.add_argument("--seed-per-rank", action="store_true", help="each process starts from other weights")
 parser.add_argument("--nvme-path", default=None)
+parser.add_argument("--nvme-masters", action="store_true", help="the blocks' fp32 masters on disk too (bf16-mixed)")
+parser.add_argument("--precision", default="32-true")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--save-at", type=int, default=None, help="a checkpoint after this step, in OUT's folder")
 parser.add_argument("--resume", default=None, help="fit from this checkpoint")
@@ -95,6 +97,7 @@ strategy = (
         update_schedule=args.schedule,
         nvme_path=args.nvme_path,
         optimizer_offload="nvme" if args.nvme_path else "cpu",
+        nvme_masters=args.nvme_masters,
         device_memory_gib=args.device_memory_gib,
         **({"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}),
     )  # fmt: skip
@@ -131,6 +134,14 @@ class _Stall(L.Callback):
             with open(f"{args.out}.stall", "w") as f:
                 f.write(str(time.time()))
             time.sleep(STALL_S)
+
+
+on_disk = [0]  # bytes of this process's NVMe state files, as training ends
+
+
+class _Disk(L.Callback):
+    def on_train_end(self, trainer, module):
+        on_disk[0] = sum(os.path.getsize(path) for path in trainer.strategy.engine.optimizer.store.paths)
 
 
 updated = [0]  # elements this process's optimizer updated
@@ -182,8 +193,9 @@ trainer = L.Trainer(
     enable_checkpointing=args.save_at is not None,
     callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else [])
     + ([_Stall()] if args.stall_at is not None else [])
-    + ([_Halve()] if args.halve_grads else []),
-    enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip,
+    + ([_Halve()] if args.halve_grads else [])
+    + ([_Disk()] if args.report and args.nvme_path and args.strategy == "slideformer" else []),
+    enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip, precision=args.precision,
     accumulate_grad_batches=args.accumulate, use_distributed_sampler=args.uneven is None,
 )  # fmt: skip
 rows = token_data(32)
@@ -208,7 +220,8 @@ if args.report:
     inside = [any(a <= t.data_ptr() < b for a, b in spans.values()) for t in tensors]
     report = {"updated": updated[0], "inodes": sorted(spans), "shared": sum(inside),
               "private": len(inside) - sum(inside), "bytes": sum(b - a for a, b in spans.values()),
-              "held_at_plan": held_at_plan[0], "built_on_meta": built_on_meta[0],
-              "weights": [float(v.double().square().sum()) for v in module.state_dict().values()]}  # fmt: skip
+              "held_at_plan": held_at_plan[0], "built_on_meta": built_on_meta[0], "on_disk": on_disk[0],
+              "weights": [float(v.double().square().sum()) for v in module.state_dict().values()],
+              "dtypes": sorted({str(p.dtype) for p in module.parameters()})}  # fmt: skip
     with open(f"{args.report}.{trainer.global_rank}", "w") as f:
         json.dump(report, f)

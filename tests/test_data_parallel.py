@@ -84,12 +84,15 @@ def test_a_checkpoint_of_processes_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("saved_by", "resumed_by"), [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, saved_by, resumed_by):
+@pytest.mark.parametrize(("saved_by", "resumed_by", "nvme"), [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, saved_by, resumed_by, nvme):
     # the same global batches (4 rows) on 1 or 2 processes (TextDataModule); the checkpoint, mid-epoch, holds the
-    # whole state whoever saved it
+    # whole state whoever saved it (on NVMe, each process's rows in its own files: the checkpoint joins them)
+    (tmp_path / "nvme").mkdir()
+
     def on(devices: int) -> list[str]:
-        return ["--text", "step", "--steps", "12", "--devices", str(devices), "--batch-size", str(4 // devices)]
+        options = ["--text", "step", "--steps", "12", "--devices", str(devices), "--batch-size", str(4 // devices)]
+        return options + (["--nvme-path", str(tmp_path / "nvme")] if nvme else [])
 
     straight = _trained("slideformer", tmp_path / "straight.pt", *on(saved_by), "--save-at", "5")
     checkpoint = str(tmp_path / "step=5.ckpt")
@@ -232,13 +235,44 @@ def test_the_nvme_tier_on_processes_trains_as_ddp_and_resumes_exactly(tmp_path):
     nvme.mkdir()
     ddp = _trained("ddp", tmp_path / "ddp.pt", "--steps", "12")
     options = ["--nvme-path", str(nvme), "--steps", "12"]
-    straight = _trained("slideformer", tmp_path / "straight.pt", *options, "--save-at", "8")
+    report = ["--report", str(tmp_path / "report")]
+    straight = _trained("slideformer", tmp_path / "straight.pt", *options, *report, "--save-at", "8")
     assert (tmp_path / "step=8.ckpt" / "state").is_dir()  # a directory checkpoint: the tier was used
     resumed = _trained("slideformer", tmp_path / "resumed.pt", *options, "--resume", str(tmp_path / "step=8.ckpt"))
     err, where = max_rel_error(straight, ddp)
     assert err < 1e-5, f"{where}: {err:.2e}"
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
     assert not any(nvme.iterdir())  # each process's state went with it
+    # the masters once, in the memory the processes share; each process's files hold its rows' two moments only
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(2)]
+    assert reports[0]["inodes"] == reports[1]["inodes"] != []
+    numel = sum(v.numel() for k, v in straight.items() if k != "model.lm_head.weight")  # tied to the embedding
+    disk = [r["on_disk"] for r in reports]
+    assert 8 * numel <= sum(disk) <= 8 * numel + 2 * 4096 * len(straight)
+    assert max(disk) <= 0.6 * sum(disk)
+
+
+@pytest.mark.slow
+def test_masters_on_nvme_shared_out_by_processes_train_as_in_ram_and_resume_exactly(tmp_path):
+    # bf16-mixed, the blocks' fp32 masters on disk too: each process writes its rows of the first one's values (the
+    # second holds none) and its rows' masters come back into the memory the processes share as fit ends
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    options = ["--precision", "bf16-mixed", "--steps", "12", "--clip", "0.05"]
+    ram = _trained("slideformer", tmp_path / "ram.pt", *options)
+    disk_options = [*options, "--nvme-path", str(nvme), "--nvme-masters"]
+    report = ["--report", str(tmp_path / "report")]
+    disk = _trained("slideformer", tmp_path / "disk.pt", *disk_options, *report, "--save-at", "8")
+    assert all(torch.equal(disk[k], ram[k]) for k in ram)
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(2)]
+    assert all(r["dtypes"] == ["torch.float32"] for r in reports)  # the fp32 masters came back
+    disk = [r["on_disk"] for r in reports]  # each process's files: its rows' moments and masters
+    assert max(disk) <= 0.6 * sum(disk)
+    _every_process_holds_the_trained_weights(tmp_path, 2)
+    checkpoint = str(tmp_path / "step=8.ckpt")
+    resumed = _trained("slideformer", tmp_path / "resumed.pt", *disk_options, "--resume", checkpoint)
+    assert all(torch.equal(resumed[k], ram[k]) for k in ram)
+    assert not any(nvme.iterdir())
 
 
 @pytest.mark.slow

@@ -127,9 +127,10 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path):
     last = ckpt / "last.ckpt"
     before = sorted(p.name for p in (last / "state").iterdir())
     checkpoint = SlideCheckpointIO().load_checkpoint(last)
-    checkpoint["optimizer_states"][0]["state"][0]["exp_avg"] = {"nvme_state_file": "x", "crcs": [0]}  # a reference
+    checkpoint["optimizer_states"][0]["state"][0]["exp_avg"] = {"nvme_state_file": "x", "blocks": []}  # a reference
+    pieces = [(str(tmp_path / "x"), 0, "x", 0, 4096)]
     with pytest.raises(FileNotFoundError):  # ... whose file is gone
-        SlideCheckpointIO().save_checkpoint(checkpoint, last, storage_options={"state_files": [str(tmp_path / "x")]})
+        SlideCheckpointIO().save_checkpoint(checkpoint, last, storage_options={"state_pieces": pieces})
     assert sorted(p.name for p in (last / "state").iterdir()) == before
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no partial left
 
@@ -268,6 +269,63 @@ def test_read_ahead_is_bounded_and_reads_see_earlier_writes(tmp_path):
     assert store.load(a, 0)["exp_avg"].eq(3.0).all()
     store.save(a, 0)
     store.close()
+
+
+def test_stores_holding_shares_of_the_rows_make_the_checkpoint_one_store_makes(tmp_path):
+    # a node's 3 processes each hold their rows of every parameter (SharedHost.rows: shares that split pages, a
+    # scalar held by the first only) in files of their own; the checkpoint lays the state out as one store does
+    from torch import nn
+
+    from lightning_slide.engine.nvme import NvmeStateStore, merged
+    from lightning_slide.engine.shared_host import SharedHost
+
+    params = [nn.Parameter(torch.zeros(1000, 3)), nn.Parameter(torch.zeros(7)), nn.Parameter(torch.zeros(()))]
+    values = [torch.randn(p.shape) for p in params]
+    keys = ("exp_avg", "exp_avg_sq")
+
+    def store(rank: int | None) -> NvmeStateStore:
+        host = SharedHost.on_paper(3)
+        host.rank = rank
+        own_rows = {p: host.rows(p) for p in params} if rank is not None else None
+        made = NvmeStateStore(str(tmp_path / "live"), [("block", params)], keys, chunk_numel=1024, own_rows=own_rows)
+        for p, value in zip(params, values):
+            for k, key in enumerate(keys):
+                made.write(p, key, value + k)
+        return made
+
+    (tmp_path / "live").mkdir()
+    one, shares = store(None), [store(rank) for rank in range(3)]
+    assert [s.first.get(params[0]) for s in shares] == [0, 334, 668]
+    assert params[2] not in shares[1].regions
+    assert sum(s.regions[params[0]]["exp_avg"].nbytes for s in shares) == 1000 * 3 * 4  # each process its rows only
+    for p, value in zip(params, values):  # each process's rows, read back into one tensor
+        out = torch.full(p.shape, float("nan"))
+        for s in shares:
+            s.read(p, "exp_avg", out)
+        assert torch.equal(out, value)
+
+    def saved(stores: list[NvmeStateStore], name: str) -> dict:
+        parts = [{(i, key): ref for i, p in enumerate(params) if p in s.regions for key, ref in s.reference(p).items()}
+                 for s in stores]  # fmt: skip
+        state = {i: {key: merged([part[i, key] for part in parts if (i, key) in part]) for key in keys}
+                 for i in range(3)}  # fmt: skip
+        pieces = [piece for s in stores for piece in s.pieces()]
+        checkpoint = {"state_dict": {}, "optimizer_states": [{"state": state, "param_groups": []}]}
+        SlideCheckpointIO().save_checkpoint(checkpoint, tmp_path / name, storage_options={"state_pieces": pieces})
+        return SlideCheckpointIO().load_checkpoint(tmp_path / name)["optimizer_states"][0]["state"]
+
+    by_one, by_three = saved([one], "one.ckpt"), saved(shares, "three.ckpt")
+    for i, value in enumerate(values):
+        for k, key in enumerate(keys):
+            assert torch.equal(by_one[i][key], value + k)
+            assert torch.equal(by_three[i][key], value + k)
+
+    def files(name: str) -> list[tuple[str, int]]:
+        return [(f.name, f.stat().st_size) for f in sorted((tmp_path / name / "state").iterdir())]
+
+    assert files("one.ckpt") == files("three.ckpt")
+    for s in [one, *shares]:
+        s.close()
 
 
 def test_a_large_parameter_moves_in_checksummed_row_blocks(tmp_path):
@@ -420,11 +478,11 @@ def test_a_crafted_state_reference_is_refused_and_reads_nothing_outside(tmp_path
     state = last / "state"
     first = sorted(state.iterdir())[0].name
     changes = {
-        "absolute": lambda ref: ref.update(nvme_state_file=str(outside), crcs=[None] * len(ref["crcs"])),
+        "absolute": lambda ref: ref.update(nvme_state_file=str(outside), blocks=[[n, None] for n, _ in ref["blocks"]]),
         "parent": lambda ref: ref.update(nvme_state_file="../../../secret.bin"),
         "symlink": lambda ref: ref.update(nvme_state_file="link.bin"),
-        "no checksum": lambda ref: ref.update(crcs=[]),
-        "none is not zeros": lambda ref: ref.update(nvme_state_file=first, offset=0, crcs=[None] * len(ref["crcs"])),
+        "no checksum": lambda ref: ref.update(blocks=[]),
+        "none is not zeros": lambda ref: ref.update(nvme_state_file=first, offset=0, blocks=[[ref["nbytes"], None]]),
         "malformed": lambda ref: ref.update(offset=-4096),
     }
     (state / "link.bin").symlink_to(outside)

@@ -39,12 +39,16 @@ def test_the_resident_tier_matches_plain_lightning(make, kwargs):
     # module is made here, after the seed: the installed loss's rounding, amplified by Adam, depends on the init
     module = make()
     ref, _ = fit(module, "auto", **kwargs)
-    strategy, placed = SlideFormerStrategy(device_memory_gib=1), _Placed()
+    strategy, placed = SlideFormerStrategy(device_memory_gib=1, install_loss=False), _Placed()
     ours, trained = fit(module, strategy, callbacks=[placed], **kwargs)
     assert strategy.tier.resident
     assert placed.seen == {(False, "cpu")}
     err, where = max_rel_error(ours, ref)
     assert err < FP32_TOL, f"{where}: {err:.2e}"
+    # with the logits-free loss (the default): another summation order, amplified by Adam over the steps (1.1e-5 in
+    # the clip-by-value case with transformers 5.24)
+    err, where = max_rel_error(fit(module, SlideFormerStrategy(device_memory_gib=1), **kwargs)[0], ref)
+    assert err < 5 * FP32_TOL, f"{where}: {err:.2e}"
     moved, _ = max_rel_error(ref, {k: v.float() for k, v in module.state_dict().items()})
     assert moved > 1e-2
     if isinstance(module, CausalLM) and module.model.config.tie_word_embeddings:

@@ -151,3 +151,9 @@ def test_the_processes_of_a_node_each_plan_on_their_share_and_hold_the_state_onc
     # the first process alone loads the model (4.5 GiB in fp32): with a copy each, two would not fit 20 GiB
     status, out = _run(capsys, [*args, "--host-memory", "20", "--trainer.devices", "2"])
     assert status == 0
+    # on NVMe, each process's files hold its rows' state: the node's disk holds it once too
+    nvme = [*args, "--host-memory", "64", "--nvme-free", "500"]
+    nvme += ["--trainer.strategy.init_args.optimizer_offload", "nvme"]
+    disk = [json.loads(_run(capsys, [*nvme, "--trainer.devices", str(n)])[1])["disk_bytes"] for n in (1, 2)]
+    assert disk[0] > 8 * 10**9
+    assert disk[1] == pytest.approx(disk[0], rel=1e-6)

@@ -44,7 +44,7 @@ from .nvme import MASTER, NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
 from .planner import HostPlan, check_window, plan_host
 from .rows import Contribution
-from .shared_host import SharedHost
+from .shared_host import SharedHost, is_placeholder, placeholder
 from .state_io import StateIO
 from .step import Step
 from .tiling import TiledMLP, gated_mlp
@@ -97,7 +97,8 @@ class SlideEngine:
             the user's optimizer steps them there (``step.py``); blocks among them recompute in backward.
         world: the processes of a data-parallel run (``world.py``): gradients averaged over them.
         shared: the node's processes hold the masters, the optimizer state and the retained gradients once, each
-            updating its rows (``shared_host.py``; not with ``nvme_path``).
+            updating its rows (``shared_host.py``); with ``nvme_path``, each its rows' state (and masters) in files
+            of its own.
     """
 
     def __init__(
@@ -136,8 +137,6 @@ class SlideEngine:
             raise ValueError("update_schedule='norm-first' streams every update; it keeps no module on the device.")
         self.config = config = config or EngineConfig()
         self.world = world
-        if shared is not None and nvme_path is not None:
-            raise ValueError("The NVMe tier keeps each process's optimizer state in files of its own; give no shared.")
         self.shared = shared
         self.model, self.device, self.compute_dtype = model, device, compute_dtype
         self.schedule: Schedule = schedule
@@ -165,7 +164,7 @@ class SlideEngine:
         self.nvme_path = nvme_path if self.optimizer is not None else None
         self._check_optimizer_params()
         self.disk_masters = self._disk_masters() if nvme_masters and self.nvme_path is not None else []
-        self.state_io = StateIO(model, self.optimizer, self.disk_masters)
+        self.state_io = StateIO(model, self.optimizer, self.disk_masters, shared if nvme_path is not None else None)
         self.chunk_numel = max(config.chunk_numel, *(row_numel(p) for u in self.units for p in u.params))
         if self.nvme_path is not None:  # a chunk holds at least one of the store's row blocks (whole pages)
             self.chunk_numel = max(self.chunk_numel, *(min_block_numel(p) for u in self.units for p in u.params))
@@ -346,12 +345,9 @@ class SlideEngine:
             store = self.optimizer.store = NvmeStateStore(
                 self.nvme_path, self._state_units(), self._state_keys(), masters=frozenset(self.disk_masters),
                 chunk_numel=self.chunk_numel, max_ahead_bytes=self.config.nvme_read_ahead_bytes,
+                own_rows=self._own_rows(),
             )  # fmt: skip
-            for p in self.disk_masters:  # the master to disk; the parameter keeps the copy the device computes with
-                store.write(p, MASTER, (loaded_masters or {}).get(p, p.data))
-                p.data = p.data.to(self.compute_dtype)
-                if hasattr(p, "grad_dtype"):  # its .grad shows the fp32 gradient (older torch: no .grad)
-                    p.grad_dtype = None
+            self._masters_to_disk(store, loaded_masters or {})
         if self._offload_activations:
             self.activations = ActivationStash(self.transfer)
             self.offloading = None if self._offload_activations == "auto" else len(self.blocks)
@@ -397,12 +393,39 @@ class SlideEngine:
             return
         trainable = self.streamed_trainable()
         params = [p for group in owned for p in group if p in trainable]
-        self.optimizer.own_rows = {p: shared.rows(p) for group in owned for p in group}
-        keys = self._state_keys()
+        self.optimizer.own_rows = self._own_rows()
+        keys = self._state_keys() if self.optimizer.store is None else ()  # else in each process's files
         states = shared.tensors([(p.numel(), p.dtype) for p in params for _ in keys])
         for i, (p, key) in enumerate((p, key) for p in params for key in keys):
             self.optimizer.shared_state[p, key] = states[i].view(p.shape)
         self.updates.share(shared, self.units)
+
+    def _masters_to_disk(self, store: NvmeStateStore, loaded: dict[nn.Parameter, Tensor]) -> None:
+        # each master to disk (its rows, where a node's processes share them out); the parameter keeps the copy the
+        # device computes with. A node's other processes hold no values: theirs pass through memory they share.
+        shared = self.shared if self.shared is not None and any(p not in loaded for p in self.disk_masters) else None
+        staging = shared.tensors([(max(p.numel() for p in self.disk_masters), torch.float32)])[0] if shared else None
+        for p in self.disk_masters:
+            value = loaded.get(p)
+            if value is None and shared is not None:
+                value = staging[: p.numel()].view(p.shape)
+                if shared.rank == 0:
+                    value.copy_(p.data)
+                shared.main_barrier()
+            store.write(p, MASTER, p.data if value is None else value)
+            if shared is not None and p not in loaded:  # every process has its rows before the next one comes
+                shared.main_barrier()
+            p.data = (
+                placeholder(p.shape, self.compute_dtype) if is_placeholder(p.data) else p.data.to(self.compute_dtype)
+            )
+            if hasattr(p, "grad_dtype"):  # its .grad shows the fp32 gradient (older torch: no .grad)
+                p.grad_dtype = None
+
+    def _own_rows(self) -> dict[nn.Parameter, slice | None]:
+        # the rows of each unit's own parameters this process updates (all of them without `shared`)
+        if self.shared is None:
+            return {}
+        return {p: self.shared.rows(p) for u in self.units for p, o in zip(u.params, u.owner) if o is u}
 
     def _state_units(self) -> list[tuple[str, list[nn.Parameter]]]:
         # per unit, the trainable parameters it owns (what has optimizer state)
@@ -459,17 +482,29 @@ class SlideEngine:
             self.window = None
 
     def _masters_from_disk(self) -> None:
-        # the store's files go with it: the fp32 masters come back into the parameters, if RAM holds them
+        # the store's files go with it: the fp32 masters come back into the parameters, if RAM holds them (once for a
+        # node's processes, each reading its rows into the memory they share)
         need = sum(p.numel() * 4 for p in self.disk_masters)
-        if need > 0.9 * machine.available_host_bytes():
+        fits = need <= 0.9 * machine.available_host_bytes()
+        if self.shared is not None:
+            fits = all(self.shared.gather(fits))
+        if not fits:
             log.warning(
                 "SlideFormer leaves the bf16 copies in the %d block weights whose fp32 masters were on disk: the"
                 " masters (%.2f GiB) do not fit the RAM available now. The checkpoints hold them (Trainer callbacks"
                 " ModelCheckpoint; `slide export` reads them).", len(self.disk_masters), need / 2**30,
             )  # fmt: skip
             return
-        for p in self.disk_masters:
-            p.data = self.optimizer.store.read(p, MASTER)
+        if self.shared is None:
+            for p in self.disk_masters:
+                p.data = self.optimizer.store.read(p, MASTER)
+            return
+        flats = self.shared.tensors([(p.numel(), torch.float32) for p in self.disk_masters])
+        for p, flat in zip(self.disk_masters, flats):
+            self.optimizer.store.read(p, MASTER, flat.view(p.shape))
+        self.shared.main_barrier()  # every process's rows are in
+        for p, flat in zip(self.disk_masters, flats):
+            p.data = flat.view(p.shape)
 
     # ---- the forwards of managed modules (functions.UnitHost) -------------------------------------------------
 

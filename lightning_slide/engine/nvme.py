@@ -18,9 +18,14 @@ where the file system allows it (page-aligned buffers, offsets and sizes), carry
 on every read, and are removed when training ends. A block never written reads as zeros (Adam's initial state)
 without touching the disk.
 
-Checkpoints: :meth:`NvmeStateStore.reference` describes where a parameter's state lies (file, offset, shape, CRCs);
-the checkpoint holds these references and a copy of the files (``checkpoint_io.py``), so the state never passes
-through RAM whole; :meth:`write` puts loaded state back.
+Where a node's processes share the state out (``shared_host.py``), each holds its own rows of every parameter
+(``own_rows``) in files of its own, and updates only those.
+
+Checkpoints: :meth:`NvmeStateStore.reference` describes where a parameter's state will lie in the checkpoint's copy
+of its unit's file (offset, shape, each block's size and CRC); that copy lays the state out as a one-process store
+does, each process's rows where they belong (:meth:`NvmeStateStore.pieces`, :func:`merged`), so a checkpoint is the
+same whoever wrote it and resumes on any number of processes. The checkpoint holds these references and the copies
+(``checkpoint_io.py``), so the state never passes through RAM whole; :meth:`write` puts loaded state back.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class _Region:
     offset: int
     nbytes: int
     block_bytes: int  # one row block (whole pages); the last one may be shorter
+    copy_offset: int  # where these bytes go in the checkpoint's copy of the file (a one-process store's layout)
     crcs: list[int | None] = field(default_factory=list)  # per block; None: never written (zeros)
 
     def block(self, index: int) -> tuple[int, int]:
@@ -115,6 +121,8 @@ class NvmeStateStore:
         chunk_numel: elements per row block, at most (see :func:`rows_per_block`).
         max_ahead_bytes: state read ahead and not yet used may hold at most this much RAM.
         io_threads: blocks read or written at once.
+        own_rows: the leading rows of each parameter this store holds (``SharedHost.rows``: ``None`` or absent, all
+            of them; an empty slice, none): a node's processes share the state out.
     """
 
     def __init__(
@@ -127,8 +135,10 @@ class NvmeStateStore:
         chunk_numel: int,
         max_ahead_bytes: int = 512 << 20,
         io_threads: int = 4,
+        own_rows: dict[nn.Parameter, slice | None] | None = None,
     ) -> None:
         self.keys = keys
+        self.scope = {p for _, params in units for p in params}  # held here or not
         self.max_ahead_bytes = max_ahead_bytes
         self.dir = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=root)  # private: 0700
         self._owner = _hold_owner_lock(self.dir)
@@ -137,6 +147,8 @@ class NvmeStateStore:
         self.direct = True
         self.regions: dict[nn.Parameter, dict[str, _Region]] = {}
         self.rows: dict[nn.Parameter, int] = {}  # rows per block
+        self.first: dict[nn.Parameter, int] = {}  # the first row held
+        self._shapes: dict[nn.Parameter, tuple[int, ...]] = {}  # the rows held
         self._free: dict[int, list[Tensor]] = {}  # pooled page-aligned buffers by size
         self._loaned: dict[tuple[nn.Parameter, int], dict[str, Tensor] | None] = {}  # None: its read is awaited
         self._names: dict[nn.Parameter, str] = {}
@@ -149,17 +161,25 @@ class NvmeStateStore:
         self._error: BaseException | None = None  # a failed write-behind, raised at the next load or flush
         try:
             for i, (name, params) in enumerate(units):
-                offset = 0
+                offset = whole = 0
                 for p in params:
-                    self._names[p] = f"{name}: {tuple(p.shape)}"
-                    self.rows[p] = rows_per_block(p, chunk_numel)
-                    block_bytes = self.rows[p] * row_numel(p) * 4
-                    blocks = -(-_rows(p) // self.rows[p])
-                    self.regions[p] = {}
+                    first, count = _held(p, (own_rows or {}).get(p))
+                    row_bytes = row_numel(p) * 4
                     for key in keys + ((MASTER,) if p in masters else ()):
-                        self.regions[p][key] = _Region(len(self.paths), offset, p.numel() * 4, block_bytes,
-                                                       [None] * blocks)  # fmt: skip
-                        offset += page_aligned(p.numel() * 4)
+                        if count:
+                            region = _Region(len(self.paths), offset, count * row_bytes, 0, whole + first * row_bytes)
+                            self.regions.setdefault(p, {})[key] = region
+                            offset += page_aligned(region.nbytes)
+                        whole += page_aligned(p.numel() * 4)
+                    if not count:
+                        continue
+                    self._names[p] = f"{name}: {tuple(p.shape)}"
+                    self.first[p] = first
+                    self._shapes[p] = (count, *p.shape[1:]) if p.dim() else ()
+                    self.rows[p] = min(count, rows_per_block(p, chunk_numel))
+                    for region in self.regions[p].values():
+                        region.block_bytes = self.rows[p] * row_bytes
+                        region.crcs = [None] * -(-count // self.rows[p])
                 path = os.path.join(self.dir, f"{i:04d}-{name or 'root'}.bin")
                 self.paths.append(path)
                 self._fds.append(self._open(path))
@@ -200,14 +220,20 @@ class NvmeStateStore:
         return os.open(path, flags, 0o600)
 
     def blocks(self, param: nn.Parameter, rows: slice | None) -> list[tuple[slice | None, int]]:
-        """``param``'s blocks within ``rows`` (``None``: all; else whole blocks): their rows (relative to ``rows``;
-        ``None`` for a 0-d parameter) and indices."""
+        """``param``'s blocks within its rows ``rows`` (``None``: all this store holds; else whole blocks of them):
+        their rows (relative to ``rows``; ``None`` for a 0-d parameter) and indices. None where it holds no row."""
+        if param not in self.regions:
+            return []
         if param.dim() == 0:
             return [(None, 0)]
-        start, stop = (rows.start, rows.stop) if rows is not None else (0, param.shape[0])
+        first, held = self.first[param], self._shapes[param][0]
+        start, stop = (rows.start - first, rows.stop - first) if rows is not None else (0, held)
         per = self.rows[param]
-        if start % per or (stop % per and stop != param.shape[0]):
-            raise ValueError(f"rows {start}..{stop} of {self._names[param]} are not whole blocks of {per} rows")
+        if start < 0 or stop > held or start % per or (stop % per and stop != held):
+            raise ValueError(
+                f"rows {start + first}..{stop + first} of {self._names[param]} are not whole blocks of {per} rows"
+                f" of the rows {first}..{first + held} held here"
+            )
         return [(slice(r - start, min(r + per, stop) - start), r // per) for r in range(start, stop, per)]
 
     # ---- one block's state in RAM while it is updated --------------------------------------------------------
@@ -246,8 +272,8 @@ class NvmeStateStore:
             self._loaned[key] = None  # from here to its write, no other read of it
         buffers = self._loaned[key] = future.result()
         self._refill()
-        per = self.rows[param]
-        shape = param.shape if param.dim() == 0 else (min(per, param.shape[0] - block * per), *param.shape[1:])
+        per, held = self.rows[param], self._shapes[param]
+        shape = held if param.dim() == 0 else (min(per, held[0] - block * per), *held[1:])
         return {k: buffers[k][: math.prod(shape) * 4].view(torch.float32).view(shape) for k in buffers}
 
     def save(self, param: nn.Parameter, block: int) -> None:
@@ -331,32 +357,46 @@ class NvmeStateStore:
     # ---- checkpoints -----------------------------------------------------------------------------------------
 
     def reference(self, param: nn.Parameter, keys: tuple[str, ...] | None = None) -> dict[str, dict]:
-        """Where ``param``'s state lies, per key (default: the optimizer's, not the master): the file's name, the byte
-        offset and size, the shape, the block size and each block's CRC (``None``: never written, zeros). Plain
-        data, for a checkpoint; call :meth:`flush` first."""
-        return {
-            key: {
+        """Where ``param``'s state will lie in the checkpoint's copy of its file, per key (default: the optimizer's,
+        not the master): the file's name, the byte offset and size and the shape of the whole tensor, and the size
+        and CRC of each block (``None``: never written, zeros) of the part held here, which starts ``part`` bytes
+        in (:func:`merged` joins the parts). Plain data; call :meth:`flush` first."""
+        out = {}
+        for key, r in self.regions[param].items():
+            if key not in (keys or self.keys):
+                continue
+            sizes = [min(r.block_bytes, r.nbytes - b * r.block_bytes) for b in range(len(r.crcs))]
+            part = self.first[param] * row_numel(param) * 4
+            out[key] = {
                 "nvme_state_file": os.path.basename(self.paths[r.file]),
-                "offset": r.offset,
-                "nbytes": r.nbytes,
+                "offset": r.copy_offset - part,
+                "nbytes": param.numel() * 4,
                 "shape": list(param.shape),
-                "chunk_bytes": r.block_bytes,
-                "crcs": list(r.crcs),
+                "blocks": [[n, crc] for n, crc in zip(sizes, r.crcs)],
+                "part": part,
             }  # fmt: skip
-            for key, r in self.regions[param].items()
-            if key in (keys or self.keys)
-        }
+        return out
 
-    def synced_paths(self) -> list[str]:
-        """The state files, with every write submitted so far on disk."""
+    def pieces(self) -> list[tuple[str, int, str, int, int]]:
+        """What the checkpoint's copies of the files are made of, with every write submitted so far on disk: (this
+        store's file, offset, the copy's file name, offset there, bytes)."""
         self.flush()
         for fd in self._fds:
             os.fsync(fd)
-        return list(self.paths)
+        return [
+            (self.paths[r.file], r.offset, os.path.basename(self.paths[r.file]), r.copy_offset, r.nbytes)
+            for regions in self.regions.values()
+            for r in regions.values()
+        ]
 
     def write(self, param: nn.Parameter, key: str, value: Tensor) -> None:
-        """Store ``value`` (e.g. from a checkpoint; any float dtype) as ``param``'s ``key`` state."""
+        """Store ``value`` (e.g. from a checkpoint; any float dtype; all of ``param``'s rows) as ``param``'s ``key``
+        state: the rows held here."""
+        if param not in self.regions:
+            return
         region = self.regions[param][key]
+        if param.dim():
+            value = value[self.first[param] : self.first[param] + self._shapes[param][0]]
 
         def write(block: int, part: Tensor, buffer: Tensor) -> None:
             buffer[: part.numel() * 4].view(torch.float32).view(part.shape).copy_(part)
@@ -364,10 +404,15 @@ class NvmeStateStore:
 
         self._each_block(param, region, value, write)
 
-    def read(self, param: nn.Parameter, key: str) -> Tensor:
-        """``param``'s ``key`` state, whole, in a new fp32 tensor (CRC-checked)."""
+    def read(self, param: nn.Parameter, key: str, out: Tensor | None = None) -> Tensor:
+        """``param``'s ``key`` state, the rows held here, in ``out`` (all of ``param``'s rows; default: a new fp32
+        tensor), CRC-checked."""
         self.flush()
-        region, value = self.regions[param][key], torch.empty(param.shape, dtype=torch.float32)
+        out = torch.empty(param.shape, dtype=torch.float32) if out is None else out
+        if param not in self.regions:
+            return out
+        region = self.regions[param][key]
+        value = out[self.first[param] : self.first[param] + self._shapes[param][0]] if param.dim() else out
 
         def read(block: int, part: Tensor, buffer: Tensor) -> None:
             if region.crcs[block] is None:
@@ -377,7 +422,7 @@ class NvmeStateStore:
             part.copy_(buffer[: part.numel() * 4].view(torch.float32).view(part.shape))
 
         self._each_block(param, region, value, read)
-        return value
+        return out
 
     def _each_block(self, param: nn.Parameter, region: _Region, value: Tensor, move) -> None:
         # move(block, the block's part of value, a pooled buffer) on the I/O threads, all blocks at once
@@ -399,6 +444,22 @@ class NvmeStateStore:
             os.close(self._fds.pop())
         shutil.rmtree(self.dir, ignore_errors=True)
         os.close(self._owner)  # the lock goes with its file descriptor
+
+
+def merged(parts: list[dict]) -> dict:
+    """The checkpoint's reference of a tensor from :meth:`NvmeStateStore.reference`'s of its parts (each process's
+    rows; in any order)."""
+    parts = sorted(parts, key=lambda ref: ref["part"])
+    return {**{k: v for k, v in parts[0].items() if k != "part"}, "blocks": [b for ref in parts for b in ref["blocks"]]}
+
+
+def _held(param: Tensor, rows: slice | None) -> tuple[int, int]:
+    # (first row, rows) of ``param`` that a store holds, given its share (SharedHost.rows)
+    if rows is None:
+        return 0, _rows(param)
+    if not param.dim():
+        return 0, 0  # a scalar's other process holds it
+    return rows.start, max(0, min(rows.stop, param.shape[0]) - rows.start)
 
 
 def _hold_owner_lock(directory: str) -> int:

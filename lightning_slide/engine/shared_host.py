@@ -102,6 +102,15 @@ class SharedHost:
             except RuntimeError as err:
                 raise stopped("Receiving the weights", self.size - 1) from err
 
+    def gather(self, value: object) -> list:
+        """Every process's ``value`` (picklable), in the order of their ranks (the training thread's)."""
+        out = [None] * self.size
+        try:
+            dist.all_gather_object(out, value, group=self._main_group)
+        except RuntimeError as err:
+            raise stopped("Gathering the state's references", self.size - 1) from err
+        return out
+
     def barrier(self) -> None:
         """Wait for the node's other processes (the CPU worker's: each calls it after the same update)."""
         self._all_reduce(torch.zeros(1), dist.ReduceOp.SUM, self._worker_group, "Updating")

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from .nvme import MASTER
+from .nvme import MASTER, merged
 from .optim import CpuOptimizer, own_part, rows_of
+from .shared_host import SharedHost
 
 
 class StateIO:
@@ -20,12 +21,21 @@ class StateIO:
         model: the module whose parameters are the masters.
         optimizer: the CPU optimizer driver (``None`` for evaluation only); its ``store`` is the NVMe tier, if any.
         disk_masters: parameters whose fp32 masters live in the store (they hold their compute-dtype copies).
+        shared: the node's processes, each holding its rows of the state in a store of its own; every process then
+            calls each method at once, and the first one's answers describe the whole state.
     """
 
-    def __init__(self, model: nn.Module, optimizer: CpuOptimizer | None, disk_masters: list[nn.Parameter]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: CpuOptimizer | None,
+        disk_masters: list[nn.Parameter],
+        shared: SharedHost | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.disk_masters = disk_masters
+        self.shared = shared
 
     @property
     def _store(self):
@@ -39,10 +49,12 @@ class StateIO:
             return state_dict
         store.flush()
         params = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]]  # state_dict's numbering
-        state = dict(state_dict["state"])
-        for i, p in enumerate(params):
-            if i in state and p in store.regions:
-                state[i] = {**state[i], **store.reference(p)}
+        held = [(i, p) for i, p in enumerate(params) if p in store.regions]
+        refs = {(i, key): ref for i, p in held for key, ref in store.reference(p).items()}
+        state = {i: dict(s) for i, s in state_dict["state"].items()}
+        for (i, key), ref in self._merged(refs).items():
+            if i in state:
+                state[i][key] = ref
         return {**state_dict, "state": state}
 
     def with_offloaded_masters(self, state_dict: dict) -> dict:
@@ -54,12 +66,23 @@ class StateIO:
         store.flush()
         on_disk = set(self.disk_masters)
         names = {name: p for name, p in self.model.named_parameters() if p in on_disk}  # the state_dict's keys
-        return {k: store.reference(names[k], (MASTER,))[MASTER] if k in names else v for k, v in state_dict.items()}
+        refs = {name: store.reference(p, (MASTER,))[MASTER] for name, p in names.items() if p in store.regions}
+        return {**state_dict, **self._merged(refs)}
 
-    def state_files(self) -> list[str]:
-        """The files the optimizer state lives in (the NVMe tier), synced; none without it."""
+    def state_pieces(self) -> list[tuple[str, int, str, int, int]]:
+        """What the checkpoint's copies of the state files are made of (``NvmeStateStore.pieces``), the files
+        synced; none without the NVMe tier."""
         store = self._store
-        return store.synced_paths() if store is not None else []
+        if store is None:
+            return []
+        pieces = store.pieces()
+        return [p for part in self.shared.gather(pieces) for p in part] if self.shared is not None else pieces
+
+    def _merged(self, refs: dict) -> dict:
+        # the references of the tensors whose parts `refs` describes, joined with the other processes' parts
+        parts = self.shared.gather(refs) if self.shared is not None else [refs]
+        keys = dict.fromkeys(k for part in parts for k in part)
+        return {k: merged([part[k] for part in parts if k in part]) for k in keys}
 
     @contextmanager
     def masters_as_fp32(self) -> Iterator[None]:
@@ -82,8 +105,8 @@ class StateIO:
         store = self._store
         shared = self.optimizer.shared_state
         for p, state in self.optimizer.optimizer.state.items():
-            for key in [k for k, v in state.items() if isinstance(v, Tensor) and v.dim() > 0]:
-                if store is not None and p in store.regions:
+            for key in [k for k, v in state.items() if isinstance(v, Tensor) and k != "step"]:  # a scalar's too
+                if store is not None and p in store.scope:  # the rows held here
                     store.write(p, key, state.pop(key))
                 elif (p, key) in shared:  # each of the node's processes puts its rows into the memory they share
                     rows = self.optimizer.own_rows[p]
