@@ -357,12 +357,19 @@ class SlideFormerStrategy(Processes):
     def _start_alike(self, module: Any) -> None:
         # every process starts from the first one's weights, as under DDP: a node's first processes receive them, the
         # others hold none (freed on every process before any reads the RAM left) and take their node's first's
+        built_on_meta = all(p.is_meta for p in module.parameters())
         if not self.loads_weights:
             drop_weights(module)
         broadcast_tensors(list(module.buffers()), self.root_device)
         if self.loads_weights and self.num_nodes > 1:
             broadcast_tensors(list(module.parameters()), self.root_device, self._world.across_nodes)
         if self._shared is not None:
+            # one that built the model on the meta device drew no initial values: it takes the random state the first
+            # one has after drawing them, as a DDP process would have (its dropout masks, as under DDP)
+            state = torch.get_rng_state()
+            self._shared.from_first([state])
+            if built_on_meta:
+                torch.set_rng_state(state)
             self._shared.main_barrier()
 
     def _from_first(self, params: list[nn.Parameter]) -> None:

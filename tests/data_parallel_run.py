@@ -44,6 +44,7 @@ parser.add_argument("--not-whole", action="store_true", help="the whole model 'd
 parser.add_argument("--host-mib", type=int, default=None, help="the RAM the machine has free")
 parser.add_argument("--die-at", type=int, default=None, help="the last process exits at this step, as if killed")
 parser.add_argument("--text", choices=["batch", "step"], default=None, help="CausalLMModule on TextDataModule")
+parser.add_argument("--dropout", type=float, default=0.0, help="--text: the attention's dropout")
 parser.add_argument("--uneven", choices=["sized", "iterable"], help="each process a loader of its own, the last longer")
 parser.add_argument("--stall-at", type=int, default=None, help="the last process stops answering at this step")
 parser.add_argument("--timeout", type=float, default=None, help="SlideFormerStrategy(timeout=...), in seconds")
@@ -61,7 +62,8 @@ rank = int(os.environ.get("LOCAL_RANK", 0))
 L.seed_everything(7 + (rank if args.seed_per_rank else 0), verbose=False)
 if args.text:  # the quickstart's model and data, smaller
     config = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=262, max_position_embeddings=64)  # fmt: skip
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=262, max_position_embeddings=64,
+                  attention_dropout=args.dropout)  # fmt: skip
     module = CausalLMModule(config=config, lr=3e-3, weight_decay=0.01, warmup_steps=2, normalize=args.text)
     data = TextDataModule(seq_len=32, batch_size=args.batch_size, val_fraction=0.0)
 elif args.pretrained:

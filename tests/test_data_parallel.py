@@ -118,6 +118,13 @@ def test_text_data_on_two_processes_trains_as_one_process_with_their_batches(tmp
 
 
 @pytest.mark.slow
+def test_a_process_building_on_the_meta_device_draws_the_dropout_masks_of_ddp(tmp_path):
+    # CausalLMModule from a config: the second process builds on the meta device (no initial values drawn) and takes
+    # the first one's random state, which a DDP process has after drawing them (otherwise 0.17 apart after 4 steps)
+    _matches_ddp(tmp_path, "--text", "step", "--dropout", "0.2")
+
+
+@pytest.mark.slow
 def test_a_module_loading_its_weights_once_per_node_trains_as_ddp(tmp_path):
     # the README's configure_model: from_pretrained of a local directory where strategy.loads_weights, the meta
     # device elsewhere (DDP: every process loads)
