@@ -263,23 +263,28 @@ def test_the_nvme_tier_on_processes_trains_as_ddp_and_resumes_exactly(tmp_path):
 def test_masters_on_nvme_shared_out_by_processes_train_as_in_ram_and_resume_exactly(tmp_path):
     # bf16-mixed, the blocks' fp32 masters on disk too: each process writes its rows of the first one's values (the
     # second holds none) and its rows' masters come back into the memory the processes share as fit ends
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    options = ["--precision", "bf16-mixed", "--steps", "12", "--clip", "0.05"]
-    ram = _trained("slideformer", tmp_path / "ram.pt", *options)
-    disk_options = [*options, "--nvme-path", str(nvme), "--nvme-masters"]
+    from lightning_slide.checkpoint_io import SlideCheckpointIO
+
+    for folder in ("nvme", "ram", "disk"):
+        (tmp_path / folder).mkdir()
+    options = ["--precision", "bf16-mixed", "--steps", "12", "--clip", "0.05", "--save-at", "8"]
+    ram = _trained("slideformer", tmp_path / "ram" / "out.pt", *options)
+    disk_options = [*options, "--nvme-path", str(tmp_path / "nvme"), "--nvme-masters"]
     report = ["--report", str(tmp_path / "report")]
-    disk = _trained("slideformer", tmp_path / "disk.pt", *disk_options, *report, "--save-at", "8")
+    disk = _trained("slideformer", tmp_path / "disk" / "out.pt", *disk_options, *report)
     assert all(torch.equal(disk[k], ram[k]) for k in ram)
     reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(2)]
     assert all(r["dtypes"] == ["torch.float32"] for r in reports)  # the fp32 masters came back
-    disk = [r["on_disk"] for r in reports]  # each process's files: its rows' moments and masters
-    assert max(disk) <= 0.6 * sum(disk)
+    on_disk = [r["on_disk"] for r in reports]  # each process's files: its rows' moments and masters
+    assert max(on_disk) <= 0.6 * sum(on_disk)
     _every_process_holds_the_trained_weights(tmp_path, 2)
-    checkpoint = str(tmp_path / "step=8.ckpt")
+    # the checkpoint's weights (what `slide export` reads): the fp32 masters, joined from both processes' files
+    saved = [SlideCheckpointIO.load_weights(tmp_path / f / "step=8.ckpt")["state_dict"] for f in ("ram", "disk")]
+    assert all(torch.equal(saved[1][k], saved[0][k]) for k in saved[0])
+    checkpoint = str(tmp_path / "disk" / "step=8.ckpt")
     resumed = _trained("slideformer", tmp_path / "resumed.pt", *disk_options, "--resume", checkpoint)
     assert all(torch.equal(resumed[k], ram[k]) for k in ram)
-    assert not any(nvme.iterdir())
+    assert not any((tmp_path / "nvme").iterdir())
 
 
 @pytest.mark.slow
