@@ -183,7 +183,7 @@ def test_the_gpu_tier_keeps_what_fits_on_the_device_and_matches_plain_lightning(
     # clipping (by norm over both, or by value), accumulation, two param groups and a scheduler
     module = make()
     ref, _ = fit(module, "auto", **kwargs)
-    strategy = gpu_tier()
+    strategy = gpu_tier(install_loss=False)
     ours, trained = fit(module, strategy, **kwargs)
     stack = "model.model.layers" if isinstance(module, CausalLM) else "net.blocks"
     blocks = [f"{stack}.{i}" for i in range(len(module.get_submodule(stack)))]
@@ -195,6 +195,8 @@ def test_the_gpu_tier_keeps_what_fits_on_the_device_and_matches_plain_lightning(
     moved, _ = max_rel_error(ref, {k: v.float() for k, v in module.state_dict().items()})
     assert moved > 1e-2
     assert all(p.device.type == "cpu" and p.grad is None for p in trained.parameters())  # handed back
+    err, where = max_rel_error(fit(module, gpu_tier(), **kwargs)[0], ref)  # the logits-free loss: see above
+    assert err < 5 * FP32_TOL, f"{where}: {err:.2e}"
 
 
 @pytest.mark.parametrize(("first", "then"), [("gpu-tier", "stream"), ("stream", "gpu-tier"), ("gpu-tier", "whole")])
