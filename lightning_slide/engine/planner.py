@@ -102,10 +102,9 @@ def plan_host(
         state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * read_ahead_bytes)
     retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable) if retain_grads else 0
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
-    if share > 1:  # all the masters move into shared memory at once; each process's files hold its rows' state
+    if share > 1:  # the masters move into shared memory unit by unit; each process's files hold its rows' state
         masters, retained, disk = masters // share, retained // share, disk // share
         state = state if state_block_numel is not None else state // share  # on disk: its own blocks in RAM
-        largest = masters
     locked = masters + retained + landing_bytes + activations if pinned else 0
     return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk, activations)
 
