@@ -95,8 +95,9 @@ class SlideFormerStrategy(Processes):
             tokens (``engine/tiling.py``). Decided at the first training step, logged.
         optimizer_offload: where Adam's moments live between updates: ``"cpu"`` (RAM) or ``"nvme"`` (files under
             ``nvme_path``, read block by block of rows before each update and written after it; 8 bytes per trainable
-            parameter less RAM); ``"auto"``: in RAM, unless they would not fit there and ``nvme_path`` is given
-            (decided from the host plan before anything is pinned, logged).
+            parameter less RAM; a node's processes each keep their rows' in files of their own); ``"auto"``: in RAM,
+            unless they would not fit there and ``nvme_path`` is given (decided from the host plan before anything is
+            pinned, logged).
         nvme_path: an existing, writable directory on a fast disk for the NVMe tier; ``None``: the
             ``SLIDE_NVME_PATH`` environment variable.
         nvme_masters: with ``optimizer_offload="nvme"`` under bf16-mixed, keep the fp32 masters of the blocks'
