@@ -128,6 +128,7 @@ def run_slideformer(
     trace_dir: str | None = None,
     config=None,
     accumulate: int = 1,
+    strategy_args=None,
 ):
     import lightning as L
     from torch.utils.data import DataLoader
@@ -189,7 +190,9 @@ def run_slideformer(
 
     start_measure()
     trainer = L.Trainer(
-        strategy=lightning_slide.SlideFormerStrategy(cpu_threads=threads, update_schedule=schedule, engine=config),
+        strategy=lightning_slide.SlideFormerStrategy(
+            cpu_threads=threads, update_schedule=schedule, engine=config, **(strategy_args or {})
+        ),
         precision="bf16-mixed",
         max_steps=warmup + steps + 1,
         accumulate_grad_batches=accumulate,
@@ -472,6 +475,20 @@ def engine_config(items: list[str]):
     return EngineConfig(**values), "".join(f"[{item}]" for item in items)
 
 
+def strategy_args(items: list[str]) -> tuple[dict, str]:
+    """``SlideFormerStrategy`` arguments from ``NAME=VALUE`` settings (VALUE: True, False, None, a number or a
+    word), and a suffix for the system's name."""
+    words = {"True": True, "False": False, "None": None}
+    values = {}
+    for item in items:
+        name, _, text = item.partition("=")
+        try:
+            values[name] = words[text] if text in words else float(text) if "." in text else int(text)
+        except ValueError:
+            values[name] = text
+    return values, "".join(f"[{item}]" for item in items)
+
+
 def main() -> None:
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("lightning_slide").setLevel(logging.INFO)  # the engine's choices: split, offload, plan
@@ -498,8 +515,16 @@ def main() -> None:
     parser.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
                         help="(a): a field of lightning_slide.engine.EngineConfig (e.g. split_embedding_update=False,"
                              " rows_pass_numel=8388608), to compare a choice side by side")  # fmt: skip
+    parser.add_argument(
+        "--strategy",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="(a): an argument of SlideFormerStrategy (e.g. offload_activations=True)",
+    )
     args = parser.parse_args()
     config, engine_settings = engine_config(args.engine)
+    extra, strategy_settings = strategy_args(args.strategy)
     global IDS
     IDS = args.ids
 
@@ -542,7 +567,7 @@ def main() -> None:
                down_gb)  # fmt: skip
     if "a" in systems:
         module = BenchLM.create(args.layers)
-        system = "a_slideformer" + engine_settings
+        system = "a_slideformer" + engine_settings + strategy_settings
         default_threads = torch.get_num_threads()
         torch.set_num_threads(args.main_threads or default_threads)
         # schedule by schedule, "backward" first: run after "forward" (which keeps a step's fp32 gradients in RAM),
@@ -550,7 +575,7 @@ def main() -> None:
         for schedule in args.schedules.split(","):
             for tokens in token_counts:
                 record(system, schedule, tokens, run_slideformer, module, schedule, *shape(tokens),
-                       args.gpu_cap_gib, args.cpu_threads, args.trace_dir, config, args.accumulate)  # fmt: skip
+                       args.gpu_cap_gib, args.cpu_threads, args.trace_dir, config, args.accumulate, extra)  # fmt: skip
         del module
         torch.set_num_threads(default_threads)
     for tokens in token_counts:
