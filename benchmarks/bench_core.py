@@ -13,9 +13,10 @@
     moments in RAM and moves its weights up and its gradients down every step. Also times the copies alone.
 
 Reports tokens/s (median step), peak GPU memory (allocated and reserved), peak host RSS of the process during
-that system's run (VmHWM, reset in between), host bytes per parameter, and for (a) a per-step timeline (CPU
-worker busy, the training thread's waits, bytes moved, the host's peak before the profiled step, whose profiler takes
-host memory of its own; then one extra, untimed step under torch's profiler: GPU time in kernels and in copies each
+that system's run (VmHWM, reset in between; after fit included, where Lightning's teardown brings every optimizer
+state to the host), host bytes per parameter, and for (a) a per-step timeline (CPU worker busy, the training thread's
+waits, bytes moved, the host's peak before the profiled step, whose profiler takes host memory of its own, and as
+training ends; then one extra, untimed step under torch's profiler: GPU time in kernels and in copies each
 way, and the CPU worker's idle gaps in that step against the training thread's forward and backward). Appends CSV
 rows to --out.
 
@@ -141,6 +142,8 @@ def run_slideformer(
     profiler = torch.profiler.profile(activities=activities)
     marks: dict[str, float] = {}  # the profiled step's phases on the training thread (perf_counter)
     untraced_peak: list[int] = []  # the host's peak before that step: the profiler's own buffers take host memory
+    # and as training ends: after it, Lightning's teardown brings the optimizer state of what the GPU held to the host
+    trained_peak: list[int] = []
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -150,6 +153,9 @@ def run_slideformer(
                 untraced_peak.append(peak_rss())
                 marks["start"] = time.perf_counter()
                 profiler.start()
+
+        def on_train_end(self, trainer, module):
+            trained_peak.append(peak_rss())
 
         def on_fit_start(self, trainer, module):
             # The end of backward is marked by wrapping the module's backward, not in on_after_backward: a hook that
@@ -216,7 +222,8 @@ def run_slideformer(
         "timeline": f"cpu_worker_busy={busy:.3f}s cpu_worker_waits_gpu={worker_wait:.3f}s"
                     f" train_thread_waits_update={wait_update:.3f}s train_thread_waits_send={wait_send:.3f}s"
                     f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB"
-                    f" host_peak_before_the_profiled_step={untraced_peak[0] / GIB:.2f}GiB;"
+                    f" host_peak_before_the_profiled_step={untraced_peak[0] / GIB:.2f}GiB"
+                    f" host_peak_as_training_ends={trained_peak[0] / GIB:.2f}GiB;"
                     f" one more step profiled: {profiled[0]}",
     }  # fmt: skip
 

@@ -86,6 +86,11 @@ class ActivationStash:
                     self._free.setdefault(e.raw.numel(), []).append((e.raw, e.fetched or e.saved))
         self._pending.clear()
 
+    def release(self) -> None:
+        """Drop the pool's host buffers (training is over)."""
+        self._free.clear()
+        self._pending.clear()
+
     def _fetch(self, entries: list) -> None:
         for e in entries:
             if isinstance(e, _Offloaded) and e.back is None:

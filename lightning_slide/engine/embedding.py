@@ -105,6 +105,12 @@ class EmbeddingRows:
     def param(self) -> torch.nn.Parameter:
         return self.unit.params[0]
 
+    def release(self) -> None:
+        """Drop the host buffers kept from step to step (training is over)."""
+        self._scratch.clear()
+        self._rows_grad = None
+        self._stage = [None, None]
+
     # ---- forward ---------------------------------------------------------------------------------------------
 
     def forward(self, ids: Tensor, *, train: bool) -> Tensor:

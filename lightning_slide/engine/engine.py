@@ -184,6 +184,7 @@ class SlideEngine:
         self._compact_grads = compact_grads
         self._offload_activations = offload_activations
         self.activations: ActivationStash | None = None
+        self.rows: EmbeddingRows | None = None
         self.offloading: int | None = 0  # the first blocks whose inputs go to the host; None: "auto", undecided
         self.tiling: bool | None = None  # whether the blocks' MLPs run on slices of the tokens; None: undecided
         self.planned: tuple[int, int, bool] | None = None  # (saved bytes per block, offloading, tiling) from setup
@@ -360,7 +361,6 @@ class SlideEngine:
             for unit in self.units:
                 self.transfer.pin([p for p, o in zip(unit.params, unit.owner) if o is unit])
         self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots)
-        self.rows = None
         if self.embedding is not None:
             self.rows = EmbeddingRows(
                 self.embedding, window=self.window, transfer=self.transfer, config=self.config,
@@ -469,6 +469,11 @@ class SlideEngine:
                 self.sender.close()
             self.worker.shutdown()
             self.transfer.close()  # first: each unit's pinned copies are freed as its masters come back below
+            # what only training needs leaves the host before the resident units' weights come to it (below) and,
+            # in Lightning's teardown, their optimizer state: the host's peak after fit is not training's plus theirs
+            for part in (self.updates, self.activations, self.rows):
+                if part is not None:
+                    part.release()
             if self.optimizer is not None and self.optimizer.store is not None:
                 try:
                     self._masters_from_disk()

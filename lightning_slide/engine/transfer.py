@@ -146,11 +146,14 @@ class Transfer:
         return self.register(aligned_empty(size, mmap.PAGESIZE))[:nbytes]
 
     def close(self) -> None:
-        """Unregister the host memory this object pinned (the tensors stay valid, as pageable memory)."""
+        """Unregister the host memory this object pinned (the tensors stay valid, as pageable memory); drop the landing
+        buffers."""
         if self._registered:
             torch.cuda.synchronize(self.device)  # no copy may still use it
         while self._registered:
             _cuda_unregister(self._registered.pop().data_ptr())
+        while not self._landing.empty():
+            self._landing.get_nowait()
 
     def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | None:
         """An event at the current point of ``stream`` (default: the current stream); ``None`` on the CPU."""

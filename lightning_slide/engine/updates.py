@@ -143,6 +143,12 @@ class Updates:
                 self.fresh[p] = True
                 offset += p.numel()
 
+    def release(self) -> None:
+        """Drop the retained gradients' host buffers (training is over)."""
+        self.host.clear()
+        self.fresh.clear()
+        self._widening = None
+
     def own_rows(self, param: nn.Parameter) -> slice | None:
         """The rows of ``param`` this process moves and updates (``None``: all)."""
         return self.optimizer.own_rows.get(param)
