@@ -278,11 +278,14 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         options.config.max_queued_grad_bytes,
         WORKING_INPUTS * saved,
     )
-    rows = 0
-    rows_on_device = engine.schedule == "forward" and options.config.device_row_update and optimizer is not None
-    if engine.embedding is not None and rows_on_device and tokens:
+
+    def rows(engine: SlideEngine) -> int:
         # at most a row per token: its gradient, value and optimizer state, updated on the device (embedding.py)
-        rows = tokens * engine.embedding.params[0].shape[1] * 4 * (2 + state_per_fp32(optimizer))
+        on_device = engine.schedule == "forward" and options.config.device_row_update and optimizer is not None
+        if engine.embedding is None or not on_device or not tokens:
+            return 0
+        return tokens * engine.embedding.params[0].shape[1] * 4 * (2 + state_per_fp32(optimizer))
+
     offloaded, planned = 0, None
     cuda = machine.device is not None and run.device.type == "cuda"  # "auto" offloads nothing on the CPU
     if saved and (options.offload_activations is True or (options.offload_activations == "auto" and cuda)):
@@ -301,11 +304,12 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
 
     def peaks(engine: SlideEngine) -> DevicePeaks:
         fixed = engine.device_bytes() + DEVICE_RESERVE
-        return DevicePeaks(fixed + kept + loss, fixed + kept + working + queue, fixed + queue + rows)
+        return DevicePeaks(fixed + kept + loss, fixed + kept + working + queue, fixed + queue + rows(engine))
 
     device = peaks(engine)
-    # "norm-first" streams every update
-    if options.placement == "auto" and machine.device is not None and engine.schedule != "norm-first":
+    # "norm-first" streams every update; where the host's shortage chose it, the units kept on the device may leave
+    # room for "forward" (each trial engine is chosen with them)
+    if options.placement == "auto" and machine.device is not None and run.schedule != "norm-first":
         resident: list[tuple[str, nn.Module]] = []
         held = DevicePeaks(0, 0, 0)
         for group in _resident_candidates(engine):
@@ -318,8 +322,14 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
             resident += [(u.name, u.module) for u in group]
             held += cost
         if resident:
-            engine, host = engine_and_host(saved * offloaded, resident)
-            device = peaks(engine) + held
+            kept_engine, kept_host = engine_and_host(saved * offloaded, resident)
+            kept_device = peaks(kept_engine) + (held if kept_engine.resident else DevicePeaks(0, 0, 0))
+            # a choice the host's shortage made (norm-first, bf16 gradients, NVMe) that the kept units undo must hold
+            # after fit too, when Lightning's teardown brings their optimizer state to the host
+            undone = not _same_choices(kept_engine, engine)
+            after_fit = kept_host.optimizer_state + _resident_state_bytes(kept_engine)
+            if kept_device.peak <= usable_device_bytes(machine.device) and (not undone or after_fit <= machine.host):
+                engine, host, device = kept_engine, kept_host, kept_device
     engine.planned = planned
     units = _placements(engine)
     processes = options.shared.size if options.shared is not None else 1
@@ -391,6 +401,21 @@ def _resident_candidates(engine: SlideEngine) -> list[list[Unit]]:
             continue
         groups.append([u for u in outside if u is unit or set(u.params) & set(unit.params)])
     return groups + [[u] for u in engine.blocks[:-1] if not shared & set(u.params)]
+
+
+def _same_choices(engine: SlideEngine, other: SlideEngine) -> bool:
+    # what ``choose_engine`` chooses for lack of RAM is the same for both
+    return (engine.schedule, engine.nvme_path, engine.compact_grads()) == (
+        other.schedule, other.nvme_path, other.compact_grads()
+    )  # fmt: skip
+
+
+def _resident_state_bytes(engine: SlideEngine) -> int:
+    # the optimizer state of the trained parameters kept on the device, in fp32
+    if engine.optimizer is None:
+        return 0
+    trained = sum(p.numel() for p in engine.resident_params if p.requires_grad)
+    return trained * 4 * state_per_fp32(engine.optimizer.optimizer)
 
 
 def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Exception | None:

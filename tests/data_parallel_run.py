@@ -146,6 +146,12 @@ class _Disk(L.Callback):
         on_disk[0] = sum(os.path.getsize(path) for path in trainer.strategy.engine.optimizer.store.paths)
 
 
+class _Mappings(L.Callback):
+    def on_train_end(self, trainer, module):  # before the teardown lets the retained gradients' memory go
+        in_training[0] = _shared_mappings()
+
+
+in_training = [{}]  # this process's mappings of the node's shared memory, as training ends
 updated = [0]  # elements this process's optimizer updated
 if args.report:
     adam = optim.CpuOptimizer._adam
@@ -196,7 +202,8 @@ trainer = L.Trainer(
     callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else [])
     + ([_Stall()] if args.stall_at is not None else [])
     + ([_Halve()] if args.halve_grads else [])
-    + ([_Disk()] if args.report and args.nvme_path and args.strategy == "slideformer" else []),
+    + ([_Disk()] if args.report and args.nvme_path and args.strategy == "slideformer" else [])
+    + ([_Mappings()] if args.report else []),
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip, precision=args.precision,
     accumulate_grad_batches=args.accumulate, use_distributed_sampler=args.uneven is None,
 )  # fmt: skip
@@ -220,8 +227,8 @@ if args.report:
     tensors = [p for g in optimizer.param_groups for p in g["params"]]
     tensors += [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
     inside = [any(a <= t.data_ptr() < b for a, b in spans.values()) for t in tensors]
-    report = {"updated": updated[0], "inodes": sorted(spans), "shared": sum(inside),
-              "private": len(inside) - sum(inside), "bytes": sum(b - a for a, b in spans.values()),
+    report = {"updated": updated[0], "inodes": sorted(in_training[0]), "shared": sum(inside),
+              "private": len(inside) - sum(inside), "bytes": sum(b - a for a, b in in_training[0].values()),
               "held_at_plan": held_at_plan[0], "built_on_meta": built_on_meta[0], "on_disk": on_disk[0],
               "weights": [float(v.double().square().sum()) for v in module.state_dict().values()],
               "dtypes": sorted({str(p.dtype) for p in module.parameters()})}  # fmt: skip

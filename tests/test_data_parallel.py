@@ -369,7 +369,8 @@ def test_the_processes_of_a_node_hold_the_state_once_and_each_updates_its_share(
     reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(devices)]
     assert all(r["inodes"] == reports[0]["inodes"] and r["inodes"] for r in reports)  # the same memory
     assert all(r["private"] == 0 and r["shared"] > 0 for r in reports)  # every parameter and state tensor in it
-    # masters, two moments and the retained gradients of the model's parameters, once (each mapping whole pages)
+    # masters, two moments and the retained gradients of the model's parameters, once (each mapping whole pages), as
+    # training ends (the teardown lets the retained gradients go)
     numel = sum(v.numel() for k, v in ours.items() if k != "model.lm_head.weight")  # tied to the embedding
     assert 16 * numel <= reports[0]["bytes"] <= 16 * numel + 4096 * len(reports[0]["inodes"])
     # the model's weights once too: the others dropped what they loaded before the plan (one element per parameter)

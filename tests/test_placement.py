@@ -199,6 +199,40 @@ def test_the_gpu_tier_keeps_what_fits_on_the_device_and_matches_plain_lightning(
     assert err < 5 * FP32_TOL, f"{where}: {err:.2e}"
 
 
+def test_units_kept_on_the_device_spare_a_short_host_the_norm_first_fallback(gpu_tier, monkeypatch):
+    # RAM too short for "forward" with every unit streamed, enough once the device keeps units: "forward" with the tier
+    # rather than "norm-first"; and only if the kept units' optimizer state, which Lightning's teardown brings to the
+    # host after fit, fits there too
+    import lightning_slide.strategy as strategy_module
+
+    def strategy(**kwargs):
+        config = EngineConfig(max_queued_grad_bytes=1 << 20, chunk_numel=1024)  # landing buffers as small as the model
+        return SlideFormerStrategy(num_slots=2, device_memory_gib=2, engine=config, **kwargs)
+
+    module, kwargs = CausalLM(tiny_config("llama")), dict(gradient_clip_val=0.05)
+    planned = {}
+    for name, options in [("streamed", dict(placement="stream")), ("norm-first", dict(update_schedule="norm-first"))]:
+        planned[name] = strategy(**options)
+        fit(module, planned[name], steps=1, **kwargs)
+    streamed, norm_first = planned["streamed"].plan.host.added, planned["norm-first"].plan.host.added
+    every_state = 8 * sum(p.numel() for p in module.parameters())  # AdamW's fp32 moments, all on the host after fit
+    assert every_state < norm_first < streamed
+
+    monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: norm_first)
+    ours = strategy()
+    trained, _ = fit(module, ours, **kwargs)
+    assert ours.plan.schedule == "forward"
+    assert _resident(ours)
+    assert ours.plan.host.added <= norm_first
+    err, where = max_rel_error(trained, fit(module, "auto", **kwargs)[0])
+    assert err < FP32_TOL, f"{where}: {err:.2e}"
+
+    # room for training with the tier, not for the state after fit (nor for "norm-first"): refused at setup
+    monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: every_state - 1)
+    with pytest.raises(MemoryError, match="more host memory"):
+        fit(module, strategy(), steps=1, **kwargs)
+
+
 @pytest.mark.parametrize(("first", "then"), [("gpu-tier", "stream"), ("stream", "gpu-tier"), ("gpu-tier", "whole")])
 def test_a_resume_into_or_out_of_the_gpu_tier_continues_exactly(tmp_path, gpu_tier, monkeypatch, first, then):
     # one optimizer state format: a unit's state moves between the device, the host and back with its unit

@@ -157,3 +157,17 @@ def test_the_processes_of_a_node_each_plan_on_their_share_and_hold_the_state_onc
     disk = [json.loads(_run(capsys, [*nvme, "--trainer.devices", str(n)])[1])["disk_bytes"] for n in (1, 2)]
     assert disk[0] > 8 * 10**9
     assert disk[1] == pytest.approx(disk[0], rel=1e-6)
+
+
+def test_clipping_on_a_short_host_keeps_units_on_the_gpu_rather_than_running_a_second_backward(capsys, config_dir):
+    args = [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision", "bf16-mixed",
+            "--data.seq_len", "4096", "--trainer.gradient_clip_val", "1.0", "--gpu-memory", "24", "--host-memory", "24",
+            "--json"]  # fmt: skip
+    status, out = _run(capsys, [*args, "--trainer.strategy.init_args.placement", "stream"])
+    streamed = json.loads(out)
+    assert (status, streamed["schedule"]) == (0, "norm-first")  # the step's gradients would not fit the RAM
+    status, out = _run(capsys, args)
+    kept = json.loads(out)
+    assert (status, kept["schedule"]) == (0, "forward")
+    assert any(u["weights"] == "gpu" for u in kept["units"] if ".layers." in u["name"])
+    assert kept["predicted_step_s"] < streamed["predicted_step_s"]
