@@ -307,15 +307,23 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         return DevicePeaks(fixed + kept + loss, fixed + kept + working + queue, fixed + queue + rows(engine))
 
     device = peaks(engine)
+    after_fit_short = False  # a unit the device could keep whose optimizer state the host could not take after fit
+
+    def after_fit(engine: SlideEngine, host: HostPlan) -> int:
+        # what the host holds once Lightning's teardown has brought the kept units' optimizer state to it
+        return host.optimizer_state + _resident_state_bytes(engine)
+
     # "norm-first" streams every update; where the host's shortage chose it, the units kept on the device may leave
-    # room for "forward" (each trial engine is chosen with them)
+    # room for "forward" (each trial engine is chosen with them). The host must hold their state after fit too.
     if options.placement == "auto" and machine.device is not None and run.schedule != "norm-first":
         resident: list[tuple[str, nn.Module]] = []
         held = DevicePeaks(0, 0, 0)
         for group in _resident_candidates(engine):
-            trial, _ = engine_and_host(saved * offloaded, resident + [(u.name, u.module) for u in group])
+            trial, trial_host = engine_and_host(saved * offloaded, resident + [(u.name, u.module) for u in group])
             cost = _resident_peaks(run, group)
-            if (peaks(trial) + held + cost).peak > usable_device_bytes(machine.device):
+            short = after_fit(trial, trial_host) > machine.host
+            after_fit_short |= short
+            if short or (peaks(trial) + held + cost).peak > usable_device_bytes(machine.device):
                 if group[0] in engine.blocks:
                     break  # the next blocks are no smaller
                 continue
@@ -324,11 +332,9 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         if resident:
             kept_engine, kept_host = engine_and_host(saved * offloaded, resident)
             kept_device = peaks(kept_engine) + (held if kept_engine.resident else DevicePeaks(0, 0, 0))
-            # a choice the host's shortage made (norm-first, bf16 gradients, NVMe) that the kept units undo must hold
-            # after fit too, when Lightning's teardown brings their optimizer state to the host
-            undone = not _same_choices(kept_engine, engine)
-            after_fit = kept_host.optimizer_state + _resident_state_bytes(kept_engine)
-            if kept_device.peak <= usable_device_bytes(machine.device) and (not undone or after_fit <= machine.host):
+            short = after_fit(kept_engine, kept_host) > machine.host
+            after_fit_short |= short
+            if kept_device.peak <= usable_device_bytes(machine.device) and not short:
                 engine, host, device = kept_engine, kept_host, kept_device
     engine.planned = planned
     units = _placements(engine)
@@ -343,6 +349,11 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
                        share=share)  # fmt: skip
         plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
+    if isinstance(plan.error, MemoryError) and after_fit_short:
+        plan.error = MemoryError(
+            f"{plan.error} Keeping units on the GPU would spare RAM while training, but after fit Lightning's teardown"
+            " brings their optimizer state back to the host, which cannot hold it then."
+        )
     if plan.error is None and cuda and device.peak > machine.device:
         plan.error = _device_shortfall(device.peak, machine.device, tokens, offloaded == len(layout.blocks))
     return plan
@@ -401,13 +412,6 @@ def _resident_candidates(engine: SlideEngine) -> list[list[Unit]]:
             continue
         groups.append([u for u in outside if u is unit or set(u.params) & set(unit.params)])
     return groups + [[u] for u in engine.blocks[:-1] if not shared & set(u.params)]
-
-
-def _same_choices(engine: SlideEngine, other: SlideEngine) -> bool:
-    # what ``choose_engine`` chooses for lack of RAM is the same for both
-    return (engine.schedule, engine.nvme_path, engine.compact_grads()) == (
-        other.schedule, other.nvme_path, other.compact_grads()
-    )  # fmt: skip
 
 
 def _resident_state_bytes(engine: SlideEngine) -> int:
