@@ -229,7 +229,7 @@ def test_units_kept_on_the_device_spare_a_short_host_the_norm_first_fallback(gpu
 
     # room for training with the tier, not for the state after fit (nor for "norm-first"): refused at setup
     monkeypatch.setattr(strategy_module, "available_host_bytes", lambda: every_state - 1)
-    with pytest.raises(MemoryError, match="more host memory"):
+    with pytest.raises(MemoryError, match="more host memory.* after fit Lightning's teardown brings their optimizer"):
         fit(module, strategy(), steps=1, **kwargs)
 
 
