@@ -464,27 +464,9 @@ def run_floor_with_copies(layers: int, threads: int, up_gb: float, down_gb: floa
             f"adam_alone={median['adam']:.3f}s copies_alone={median['copies']:.3f}s"}  # fmt: skip
 
 
-def engine_config(items: list[str]):
-    """An ``EngineConfig`` with ``FIELD=VALUE`` settings (VALUE: True, False, auto, or an int), and a suffix for the
-    system's name (empty without settings)."""
-    import dataclasses
-
-    from lightning_slide.engine import EngineConfig
-
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    values = {}
-    for item in items:
-        name, _, text = item.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--engine {item}: EngineConfig has no field {name} (fields: {', '.join(sorted(fields))})")
-        values[name] = {"True": True, "False": False, "auto": "auto"}.get(text) if text in ("True", "False", "auto") \
-            else int(text)  # fmt: skip
-    return EngineConfig(**values), "".join(f"[{item}]" for item in items)
-
-
-def strategy_args(items: list[str]) -> tuple[dict, str]:
-    """``SlideFormerStrategy`` arguments from ``NAME=VALUE`` settings (VALUE: True, False, None, a number or a
-    word), and a suffix for the system's name."""
+def settings(items: list[str]) -> tuple[dict, str]:
+    """``NAME=VALUE`` settings as keyword arguments (VALUE: True, False, None, a number or a word), and a suffix for
+    the system's name (empty without settings)."""
     words = {"True": True, "False": False, "None": None}
     values = {}
     for item in items:
@@ -494,6 +476,21 @@ def strategy_args(items: list[str]) -> tuple[dict, str]:
         except ValueError:
             values[name] = text
     return values, "".join(f"[{item}]" for item in items)
+
+
+def engine_config(items: list[str]):
+    """An ``EngineConfig`` with ``FIELD=VALUE`` settings (VALUE: True, False, auto, or an int), and a suffix for the
+    system's name."""
+    import dataclasses
+
+    from lightning_slide.engine import EngineConfig
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    values, suffix = settings(items)
+    if unknown := sorted(set(values) - fields):
+        known = ", ".join(sorted(fields))
+        raise SystemExit(f"--engine: EngineConfig has no field {', '.join(unknown)} (fields: {known})")
+    return EngineConfig(**values), suffix
 
 
 def main() -> None:
@@ -531,7 +528,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     config, engine_settings = engine_config(args.engine)
-    extra, strategy_settings = strategy_args(args.strategy)
+    extra, strategy_settings = settings(args.strategy)
     global IDS
     IDS = args.ids
 
