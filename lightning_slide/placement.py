@@ -111,7 +111,7 @@ class Run:
 
 
 def choose_engine(
-    run: Run, available: int, activations: int = 0, resident: list[tuple[str, nn.Module]] = ()
+    run: Run, available: int, activations: int = 0, resident: list[tuple[str, nn.Module]] = (), deferred: int = 0
 ) -> tuple[SlideEngine, HostPlan]:
     """The engine for ``run`` and its host plan: where the plan does not fit the ``available`` RAM, each "auto" takes
     its cheaper choice in turn (bf16 retained gradients, then "norm-first", then the optimizer state on NVMe).
@@ -119,12 +119,16 @@ def choose_engine(
     Args:
         activations: host bytes of the block inputs that will be offloaded.
         resident: modules kept on the device (the GPU tier).
+        deferred: schedule "backward": the first blocks updated during the next forward (``SlideEngine``'s
+            ``defer_blocks``; ``EngineConfig(deferred_updates=N)`` overrides it).
     """
     module, layout, optimizer, trainer, options, stored = (
         run.module, run.layout, run.optimizer, run.trainer, run.options, run.stored
     )  # fmt: skip
     schedule = run.schedule
     config = options.config
+    if config.deferred_updates != "auto":
+        deferred = config.deferred_updates
 
     def make(nvme_path: str | None, compact: bool = config.compact_retained_grads is True) -> SlideEngine:
         return SlideEngine(
@@ -135,7 +139,7 @@ def choose_engine(
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
             resident=resident if schedule != "norm-first" else (), world=options.world,
-            shared=options.shared,
+            shared=options.shared, defer_blocks=deferred if schedule == run.schedule else 0,
         )  # fmt: skip
 
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
@@ -214,6 +218,11 @@ class Plan:
     engine: SlideEngine | None = None  # a streamed run's engine, not yet set up
 
     @property
+    def deferred_blocks(self) -> int:
+        """Blocks whose updates run during the next forward (schedule "backward")."""
+        return len(self.engine.deferred) if self.engine is not None else 0
+
+    @property
     def fits(self) -> bool:
         return self.error is None
 
@@ -225,7 +234,7 @@ class Plan:
             "placement": "resident" if self.tier.resident else "stream", "schedule": self.schedule,
             "processes": self.processes, "tokens_per_batch": self.tier.tokens, "gpu_bytes": self.device_bytes,
             "host_bytes": host, "disk_bytes": self.host.disk * self.processes if self.host is not None else 0,
-            "offloaded_blocks": self.offloaded_blocks,
+            "offloaded_blocks": self.offloaded_blocks, "deferred_blocks": self.deferred_blocks,
             "predicted_step_s": self.predicted_step_s, "units": [vars(u) for u in self.units],
         }  # fmt: skip
 
@@ -238,6 +247,7 @@ class Plan:
             f"placement: {data['placement']} ({self.tier.reason}); schedule: {self.schedule or 'plain'}; tokens per"
             f" batch: {self.tier.tokens}; GPU {self.device_bytes / GIB:.2f} GiB, host {data['host_bytes'] / GIB:.2f}"
             f" GiB, disk {data['disk_bytes'] / GIB:.2f} GiB{node}; offloaded blocks: {self.offloaded_blocks};"
+            f"{f' blocks updated during the next forward: {self.deferred_blocks};' if self.deferred_blocks else ''}"
             f" predicted step: {step}",
             f"{'unit':<40} {'params':>14} {'weights':>8} {'optimizer':>9}",
         ]
@@ -265,8 +275,8 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         step = predict_step_s(work, None, rates) if work is not None else None
         return Plan(tier, None, units, tier.need, None, predicted_step_s=step)
 
-    def engine_and_host(activations: int, resident=()) -> tuple[SlideEngine, HostPlan]:
-        engine, host = choose_engine(run, machine.host, activations, resident)
+    def engine_and_host(activations: int, resident=(), deferred: int = 0) -> tuple[SlideEngine, HostPlan]:
+        engine, host = choose_engine(run, machine.host, activations, resident, deferred)
         if options.num_slots is None:
             engine.num_slots = window_slots(engine.device_bytes(3), machine.device)
         return engine, host
@@ -336,18 +346,20 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
             after_fit_short |= short
             if kept_device.peak <= usable_device_bytes(machine.device) and not short:
                 engine, host, device = kept_engine, kept_host, kept_device
-    engine.planned = planned
-    units = _placements(engine)
     processes = options.shared.size if options.shared is not None else 1
-    plan = Plan(tier, engine.schedule, units, device.peak, host, offloaded, processes=processes, engine=engine)
-    if work is not None:  # the CPU steps, and the weights that travel, are the streamed units' only
-        rows_only = engine.embedding.name if engine.embedding is not None else None  # its rows travel, not its weights
-        travel = sum(u.params for u in units if u.weights == "stream" and u.name != rows_only)
-        trained = sum(p.numel() for p in engine.streamed_trainable()) if engine.optimizer is not None else 0
-        share = engine.shared.size if engine.shared is not None else 1
-        work = replace(work, streamed=travel, trained=trained, disk_state_bytes=2 * host.disk, processes=processes,
-                       share=share)  # fmt: skip
-        plan.predicted_step_s = predict_step_s(work, engine.schedule, rates)
+    if cuda and work is not None and options.config.deferred_updates == "auto" and options.world is None:
+        # the CPU worker idles through the forward: the first blocks' updates can run there (rates.py)
+        deferred = _deferral(engine, _streamed_work(work, engine, host), rates)
+        if deferred:
+            trial, trial_host = engine_and_host(saved * offloaded, engine.resident_named, deferred)
+            fits = _shortfall(trial, trial_host, machine) is None
+            if trial.deferred and fits and trial.nvme_path == engine.nvme_path:  # their gradients, not NVMe's pace
+                engine, host = trial, trial_host
+    engine.planned = planned
+    plan = Plan(tier, engine.schedule, _placements(engine), device.peak, host, offloaded, processes=processes,
+                engine=engine)  # fmt: skip
+    if work is not None:
+        plan.predicted_step_s = predict_step_s(_streamed_work(work, engine, host), engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
     if isinstance(plan.error, MemoryError) and after_fit_short:
         plan.error = MemoryError(
@@ -375,6 +387,40 @@ class DevicePeaks:
     @property
     def peak(self) -> int:
         return max(self.loss, self.backward, self.update)
+
+
+def _streamed_work(work: Work, engine: SlideEngine, host: HostPlan) -> Work:
+    # the CPU steps, and the weights that travel, are the streamed units' only
+    units = _placements(engine)
+    rows_only = engine.embedding.name if engine.embedding is not None else None  # its rows travel, not its weights
+    travel = sum(u.params for u in units if u.weights == "stream" and u.name != rows_only)
+    trainable = engine.streamed_trainable() if engine.optimizer is not None else set()
+    share = engine.shared.size if engine.shared is not None else 1
+    deferred = _trained(engine.deferred, trainable)
+    return replace(work, streamed=travel, trained=sum(p.numel() for p in trainable),
+                   disk_state_bytes=2 * host.disk, processes=share, share=share, deferred=deferred[0],
+                   deferred_matmul=deferred[1])  # fmt: skip
+
+
+def _trained(blocks: list[Unit], trainable: set[nn.Parameter]) -> tuple[int, int]:
+    # the parameters of ``blocks`` the optimizer steps, and the weights of their matrices
+    params = sum(p.numel() for u in blocks for p, o in zip(u.params, u.owner) if o is u and p in trainable)
+    matmul = sum(m.weight.numel() for u in blocks for m in u.module.modules() if isinstance(m, nn.Linear))
+    return params, matmul
+
+
+def _deferral(engine: SlideEngine, work: Work, rates: Rates) -> int:
+    # how many of the first streamed blocks to update during the next forward: the fastest predicted step, where it
+    # is at least 1 % faster than none (each costs the host its gradients)
+    if engine.schedule != "backward" or engine.optimizer is None:
+        return 0
+    trainable = engine.streamed_trainable()
+    times = []
+    for k in range(len(engine.blocks) + 1):
+        params, matmul = _trained(engine.blocks[:k], trainable)
+        times.append(predict_step_s(replace(work, deferred=params, deferred_matmul=matmul), "backward", rates))
+    best = min(range(len(times)), key=times.__getitem__)
+    return best if times[best] < 0.99 * times[0] else 0
 
 
 def _resident_peaks(run: Run, group: list[Unit]) -> DevicePeaks:

@@ -9,8 +9,10 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
 - the CPU optimizer steps ``cpu_params_per_s`` parameters a second, or the disk moves the NVMe tier's state (read and
   written back) at ``disk_gbs``; a micro-batch after a window's first brings the retained fp32 gradients back up to
   add its own on the GPU (4 more bytes up per trained parameter);
-- schedule "backward" updates while the backward runs, so the CPU starts when the forward ends; "forward" updates
-  after the backward, overlapping the next forward; "norm-first" runs a second backward that streams the updates;
+- schedule "backward" updates while the backward runs, so the CPU starts when the forward ends; where the first blocks'
+  updates are deferred, they run after the backward instead and overlap those blocks' next forward, the rest of the
+  forward follows; "forward" updates after the backward, overlapping the next forward; "norm-first" runs a second
+  backward that streams the updates;
 - a streamed step also spends ``stream_start_s`` at its start, waiting for the last updates and the window's first
   uploads (fitted to the 2.8 B and 8 B runs);
 - the resident tier is plain training on the GPU: no recompute, no copies, the optimizer on the GPU (memory-bound,
@@ -59,6 +61,8 @@ class Work:
     disk_state_bytes: int  # one process's NVMe state, read and written once a step
     processes: int = 1  # of the node: they split its cores and its disk
     share: int = 1  # of them, those that split the trained rows (shared_host.py)
+    deferred: int = 0  # of the trained, those updated during the next forward (schedule "backward")
+    deferred_matmul: int = 0  # weights of their matrices
 
 
 def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> float:
@@ -78,5 +82,11 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
     gpu = max(forward + backward, up, down) + later + second
     cpu = work.trained / work.share / (rates.cpu_params_per_s / work.processes)
     update = max(cpu, work.processes * work.disk_state_bytes / (rates.disk_gbs * 1e9))
-    waits_for = {"backward": forward, "forward": backward, "norm-first": forward + backward}[schedule]
-    return rates.stream_start_s + max(gpu, waits_for + update)
+    if schedule == "backward":
+        late = update * work.deferred / work.trained if work.trained else 0.0
+        matmul = work.block_matmul + work.other_matmul
+        rest = forward * (1 - work.deferred_matmul / matmul) if matmul else forward
+        chain = rest + max(backward, update - late) + late
+    else:
+        chain = {"forward": backward, "norm-first": forward + backward}[schedule] + update
+    return rates.stream_start_s + max(gpu, chain)

@@ -118,6 +118,46 @@ def test_nonfinite_gradient_stops_with_step_and_block(clip, accumulate, schedule
             accumulate_grad_batches=accumulate, precision=precision)  # fmt: skip
 
 
+class _Retained(L.Callback):
+    """Records the names of the parameters with a retained gradient buffer on the host at every training batch."""
+
+    def __init__(self):
+        self.names = []
+
+    def on_train_batch_end(self, trainer, module, *args):
+        host = trainer.strategy.engine.updates.host
+        self.names.append({n for n, p in module.named_parameters() if p in host})
+
+
+@pytest.mark.parametrize(("deferred", "accumulate", "precision"), [(2, 1, "32-true"), (4, 2, "32-true"),
+                                                                   (1, 1, "bf16-mixed")])  # fmt: skip
+def test_deferred_block_updates_train_as_plain_lightning(deferred, accumulate, precision):
+    # the first blocks are updated while the next forward runs (EngineConfig.deferred_updates): the same training;
+    # only their gradients wait on the host (all, with accumulation)
+    module = CausalLM(tiny_config("llama"))
+    ref, _ = fit(module, "auto", accumulate_grad_batches=accumulate)
+    retained = _Retained()
+    strategy = streamed(num_slots=2, engine=EngineConfig(deferred_updates=deferred))
+    ours, _ = fit(module, strategy, accumulate_grad_batches=accumulate, callbacks=[retained], precision=precision)
+    if precision == "32-true":
+        err, where = max_rel_error(ours, ref)
+        assert err < 1e-5, f"{where}: {err:.2e}"
+    else:
+        plain, _ = fit(module, "auto", accumulate_grad_batches=accumulate, precision=precision)
+        assert global_error(ours, ref) <= 2 * global_error(plain, ref)
+    blocks = tuple(f"model.model.layers.{i}." for i in range(deferred))
+    assert retained.names[-1] == {n for n, _ in module.named_parameters() if accumulate > 1 or n.startswith(blocks)}
+
+
+def test_deferred_updates_belong_to_the_backward_schedule():
+    with pytest.raises(ValueError, match="variant of update_schedule='backward'"):
+        fit(CausalLM(tiny_config("llama")), streamed(engine=EngineConfig(deferred_updates=1)), gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match="more blocks than the 4"):
+        fit(CausalLM(tiny_config("llama")), streamed(engine=EngineConfig(deferred_updates=5)))
+    with pytest.raises(ValueError, match="deferred_updates=...\\) must be 'auto' or an int"):
+        EngineConfig(deferred_updates=-1)
+
+
 class _NaNInFirstMicroBatch(CausalLM):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -563,7 +603,7 @@ def test_host_plan_counts_bf16_retained_gradients_at_two_bytes():
 
     a, b = torch.nn.Parameter(torch.zeros(10, 4)), torch.nn.Parameter(torch.zeros(6))
     optimizer = torch.optim.AdamW([a, b])
-    plan = plan_host([[a], [b]], optimizer, retain_grads=True, landing_bytes=0, pinned=False, compact_grads={a})
+    plan = plan_host([[a], [b]], optimizer, retained={a, b}, landing_bytes=0, pinned=False, compact_grads={a})
     assert plan.retained_grads == 40 * 2 + 6 * 4
 
 
@@ -918,13 +958,35 @@ class _NaNIntoBlock1(CausalLM):
                 hook.remove()
 
 
-@pytest.mark.parametrize(("schedule", "clip"), [("auto", None), ("forward", None), ("auto", 1.0)])
+def test_a_nonfinite_gradient_of_a_deferred_block_stops_before_its_update(monkeypatch):
+    # found on the device as the gradients left (GradSender.check_window), not by a CPU pass over them
+    from lightning_slide.engine.grads import GradSender
+
+    checked = []
+    check = GradSender.check_window
+    monkeypatch.setattr(GradSender, "check_window", lambda self, *a: checked.append(check(self, *a)) or checked[-1])
+    module = _NaNIntoBlock1(tiny_config("llama"))
+    module.model.model.embed_tokens.requires_grad_(False)  # only the deferred blocks 0 and 1 see the NaN
+    kept = []
+    strategy = streamed(num_slots=2, engine=EngineConfig(deferred_updates=2))
+    with pytest.raises(NonFiniteGradientError, match="optimizer step 2 in 'model.model.layers.0'") as raised:
+        fit(module, strategy, steps=4, callbacks=[_KeepModule(kept)])
+    assert checked
+    assert all(checked)
+    assert "model.lm_head" in raised.value.applied
+    assert not any(".layers.0" in n or ".layers.1" in n for n in raised.value.applied)
+    assert all(torch.isfinite(p).all() for p in kept[0].parameters())
+
+
+@pytest.mark.parametrize(("schedule", "clip"), [("auto", None), ("forward", None), ("auto", 1.0), ("deferred", None)])
 def test_a_nonfinite_step_names_what_it_applied_and_no_mixed_checkpoint_is_saved(tmp_path, caplog, schedule, clip):
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
     module = _NaNIntoBlock1(tiny_config("llama"))
 
     def strategy():
+        if schedule == "deferred":  # blocks 0 and 1 updated during the next forward, checked on the device
+            return SlideFormerStrategy(num_slots=2, engine=EngineConfig(deferred_updates=2))
         return SlideFormerStrategy(num_slots=2, update_schedule=schedule)
 
     before, _ = fit(module, strategy(), steps=2, gradient_clip_val=clip)  # the state before the failing step
@@ -948,6 +1010,6 @@ def test_a_nonfinite_step_names_what_it_applied_and_no_mixed_checkpoint_is_saved
         assert "nothing of that step was applied" in str(raised.value)
         saved = torch.load(tmp_path / "crash.ckpt", weights_only=True)["state_dict"]  # the state before the step
         assert all(torch.equal(saved[k].float(), before[k]) for k in before)
-    if schedule == "auto" and clip is None:  # updates as gradients arrive: the head and the blocks above it went
-        assert "model.lm_head" in units
+    if schedule in ("auto", "deferred") and clip is None:  # updates as gradients arrive: the head and the blocks
+        assert "model.lm_head" in units  # above it went
         assert "model.model.layers.3" in units

@@ -55,9 +55,12 @@ def _low_intensity_run(strategy, clip):
     return fit(module, "auto", **kwargs)[0], fit(module, strategy, **kwargs)[0]
 
 
-@pytest.mark.parametrize(("clip", "schedule"), [(None, "auto"), (1.0, "auto"), (1.0, "norm-first")])
-def test_low_arithmetic_intensity_exposes_missing_synchronization(clip, schedule):
-    ref, ours = _low_intensity_run(streamed(num_slots=2, update_schedule=schedule), clip)
+@pytest.mark.parametrize(
+    ("clip", "schedule", "deferred"), [(None, "auto", 0), (1.0, "auto", 0), (1.0, "norm-first", 0), (None, "auto", 6)]
+)
+def test_low_arithmetic_intensity_exposes_missing_synchronization(clip, schedule, deferred):
+    config = EngineConfig(deferred_updates=deferred)  # the first blocks updated during the next forward
+    ref, ours = _low_intensity_run(streamed(num_slots=2, update_schedule=schedule, engine=config), clip)
     err, where = max_rel_error(ours, ref)
     assert err < 1e-5, f"{where}: {err:.2e}"
 

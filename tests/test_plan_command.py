@@ -172,3 +172,20 @@ def test_clipping_on_a_short_host_keeps_units_on_the_gpu_rather_than_running_a_s
     assert (status, kept["schedule"]) == (0, "forward")
     assert any(u["weights"] == "gpu" for u in kept["units"] if ".layers." in u["name"])
     assert kept["predicted_step_s"] < streamed["predicted_step_s"]
+
+
+def test_a_step_the_cpu_sets_the_pace_of_updates_some_blocks_during_the_next_forward(capsys, config_dir):
+    args = [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision", "bf16-mixed",
+            "--data.seq_len", "4096", "--gpu-memory", "24", "--host-memory", "64", "--json"]  # fmt: skip
+    status, out = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e9"])
+    deferred = json.loads(out)
+    assert (status, deferred["schedule"]) == (0, "backward")
+    assert 0 < deferred["deferred_blocks"] < 16
+    _, out = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e9", "--trainer.strategy.init_args.engine",
+                           '{"deferred_updates": 0}'])  # fmt: skip
+    none = json.loads(out)
+    assert none["deferred_blocks"] == 0
+    assert deferred["predicted_step_s"] < 0.99 * none["predicted_step_s"]
+    assert deferred["host_bytes"] > none["host_bytes"]  # their gradients wait on the host
+    _, out = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e12"])  # the GPU sets the pace: nothing to gain
+    assert json.loads(out)["deferred_blocks"] == 0

@@ -37,6 +37,10 @@ class EngineConfig:
             next forward read them there, so the CPU worker does not start the next step with them.
         defer_touched_rows: schedule "backward": the split embedding's touched rows are updated when the next
             forward gathers its rows, those it reads first, instead of at the end of the backward.
+        deferred_updates: schedule "backward": the first N streamed blocks are updated during the next forward, where
+            the CPU worker would otherwise idle, instead of as their backward ends (their gradients wait on the host,
+            4 bytes per parameter). ``"auto"``: the plan picks N for the fastest predicted step (``rates.py``), 0
+            where the GPU sets the pace, with several processes, or on the CPU.
         compact_retained_grads: schedule "forward" without accumulation: keep the retained gradients of the matrices
             computed with in bf16 in bf16 (2 bytes per parameter instead of 4; a slower CPU update). ``"auto"``: only
             where fp32 ones would not fit the RAM available.
@@ -56,6 +60,7 @@ class EngineConfig:
     split_embedding_update: bool | Auto = "auto"
     device_row_update: bool = True
     defer_touched_rows: bool = True
+    deferred_updates: int | Auto = "auto"
     compact_retained_grads: bool | Auto = "auto"
     nvme_read_ahead_bytes: int = 512 << 20
     register_min_bytes: int = 1 << 20
@@ -70,6 +75,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"EngineConfig({name}=...) must be an int >= 0; got {value!r}.")
+        value = self.deferred_updates
+        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"EngineConfig(deferred_updates=...) must be 'auto' or an int >= 0; got {value!r}.")
         for name in ("split_embedding_update", "compact_retained_grads"):
             if (value := getattr(self, name)) not in (True, False, "auto"):
                 raise ValueError(f"EngineConfig({name}=...) must be True, False or 'auto'; got {value!r}.")

@@ -6,7 +6,9 @@ Update schedules (all give exactly the update plain training gives):
 
 - **"backward"**: nothing needs the global gradient norm. Each parameter's update runs on the CPU worker as soon as
   its last gradient of the step has arrived, while the device continues the backward pass through earlier blocks.
-  The next forward of a block waits only for that block's update.
+  The next forward of a block waits only for that block's update. With ``defer_blocks``, the first blocks' updates
+  wait instead for the end of the step and run while the next forward goes on, as with "forward": the CPU worker,
+  idle during a forward otherwise, then overlaps it (their gradients wait on the host, 4 bytes per parameter).
 - **"forward"**: gradient clipping. The global norm needs every gradient, so nothing is updated before the backward
   pass ends. Then the updates are queued in forward order (embedding, block 0, 1, ...), each scaled by the clipping
   coefficient, and the next step's forward starts at once: block i's forward waits only for block i's update. The
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from functools import partial
 from typing import Literal
 
@@ -99,6 +102,8 @@ class SlideEngine:
         shared: the node's processes hold the masters, the optimizer state and the retained gradients once, each
             updating its rows (``shared_host.py``); with ``nvme_path``, each its rows' state (and masters) in files
             of its own.
+        defer_blocks: schedule "backward": how many of the first blocks are updated at the end of the step, while the
+            next forward runs (the module docstring), instead of as their backward ends.
     """
 
     def __init__(
@@ -126,6 +131,7 @@ class SlideEngine:
         resident: list[tuple[str, nn.Module]] = (),
         world: DataParallel | None = None,
         shared: SharedHost | None = None,
+        defer_blocks: int = 0,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
@@ -135,6 +141,12 @@ class SlideEngine:
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
         if resident and schedule == "norm-first":
             raise ValueError("update_schedule='norm-first' streams every update; it keeps no module on the device.")
+        if defer_blocks and schedule != "backward":
+            raise ValueError(
+                f"Deferring block updates to the next forward is a variant of update_schedule='backward'; the schedule"
+                f" is {schedule!r}, whose updates wait for the step's end anyway. Leave"
+                " EngineConfig(deferred_updates=...) at 'auto' or 0."
+            )
         self.config = config = config or EngineConfig()
         self.world = world
         self.shared = shared
@@ -178,7 +190,13 @@ class SlideEngine:
             most = min(most, _SPARE_LANDING_BUFFERS)
         self._landing_buffers = min(most, -(-grad_numel // self.chunk_numel) + 1)
         self._cpu_threads = cpu_threads
-        self._retain = retain_grads or schedule == "forward"
+        if not 0 <= defer_blocks <= len(self.blocks):
+            raise ValueError(
+                f"EngineConfig(deferred_updates={defer_blocks}) asks to defer more blocks than the {len(self.blocks)}"
+                " the engine streams; give a number from 0 to that."
+            )
+        self.deferred = self.blocks[:defer_blocks] if self.optimizer is not None else []
+        self._retain = retain_grads or schedule == "forward" or bool(self.deferred)
         self._accumulates = retain_grads
         self.hooks_read_grads = hooks_read_grads
         self._compact_grads = compact_grads
@@ -264,7 +282,7 @@ class SlideEngine:
         return plan_host(
             owned,
             self.optimizer.optimizer if self.optimizer is not None else None,
-            retain_grads=self._retain,
+            retained={p for u in self._retained_units() for p, o in zip(u.params, u.owner) if o is u},
             compact_grads=self.compact_grads(),
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
@@ -299,6 +317,12 @@ class SlideEngine:
             if o is u and dtype == self.compute_dtype and p not in self._shared
         }
 
+    def _retained_units(self) -> list[Unit]:
+        # the units whose gradients wait on the host for their update (all, where any must)
+        if self._accumulates or self.schedule == "forward":
+            return self.units
+        return self.deferred
+
     def _split_allowed(self) -> bool:
         # the embedding's two-part update (embedding.py) is exact here: an embedding in RAM that nothing else uses,
         # one backward pass per step; with "forward", not where hooks read `param.grad` (its gradient is then not
@@ -306,7 +330,7 @@ class SlideEngine:
         if self.world is not None:  # each process touched other rows
             return False
         if self.schedule == "backward":
-            allowed = not self._retain
+            allowed = not self._accumulates
         elif self.schedule == "forward":
             allowed = not self._accumulates and self.on_nonfinite == "raise" and not self.hooks_read_grads
         else:
@@ -363,7 +387,9 @@ class SlideEngine:
         self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots)
         if self.embedding is not None:
             self.rows = EmbeddingRows(
-                self.embedding, window=self.window, transfer=self.transfer, config=self.config,
+                self.embedding, window=self.window, transfer=self.transfer,
+                # its touched rows' update, deferred, would queue behind the deferred blocks' that its forward precedes
+                config=replace(self.config, defer_touched_rows=False) if self.deferred else self.config,
                 schedule=self.schedule, split_allowed=training and self._split_allowed(),
                 after_backward=self.after_backward, dummy=self.dummy, worker=self.worker, optimizer=self.optimizer,
                 updates=self.updates, sender=self.sender,
@@ -375,7 +401,7 @@ class SlideEngine:
                 schedule=self.schedule, on_nonfinite=self.on_nonfinite, optimizer=self.optimizer, updates=self.updates,
                 sender=self.sender, worker=self.worker, window=self.window, rows=self.rows,
                 activations=self.activations, forward_units=self._forward_units(), names=names, guard=self.guard,
-                resident=self.resident_params, world=self.world,
+                resident=self.resident_params, world=self.world, deferred=self.deferred,
             )  # fmt: skip
         self._patch()
 
@@ -398,7 +424,7 @@ class SlideEngine:
         states = shared.tensors([(p.numel(), p.dtype) for p in params for _ in keys])
         for i, (p, key) in enumerate((p, key) for p in params for key in keys):
             self.optimizer.shared_state[p, key] = states[i].view(p.shape)
-        self.updates.share(shared, self.units)
+        self.updates.share(shared, self._retained_units())
 
     def _masters_to_disk(self, store: NvmeStateStore, loaded: dict[nn.Parameter, Tensor]) -> None:
         # each master to disk (its rows, where a node's processes share them out); the parameter keeps the copy the

@@ -228,7 +228,10 @@ class GradSender:
         self, owner: Unit, param: nn.Parameter, contribs: list[Contribution], plan: StepPlan | None
     ) -> None:
         tr, updates = self.transfer, self.updates
-        direct = updates.retain and updates.take_fresh(owner, param)
+        if updates.retain and plan is not None and param not in updates.host:
+            direct = True  # its first contribution streams to its update: no retained buffer (deferred updates)
+        else:
+            direct = updates.retain and updates.take_fresh(owner, param)
         compact = param in updates.compact
         # a later contribution is added on the device, into the retained rows brought up for it, so an accumulated
         # micro-batch costs PCIe time, not a CPU pass over the gradients; a buffer the worker is still widening
@@ -289,6 +292,16 @@ class GradSender:
     def window_done(self) -> None:
         """The accumulation window is over (its updates are queued, or it was skipped)."""
         self._window_ok.clear()
+
+    def check_window(self, owner: Unit, plan: StepPlan) -> bool:
+        """Queue the check that ``owner``'s retained gradients of this window are finite (found on the device as they
+        left) before its update, on the worker; ``False`` when they were not checked as they left."""
+        if owner not in self._window_ok:
+            return False
+        with self.transfer.converting(None):
+            flag, event = self._finite_flag(owner, [])
+        self.worker.submit(self.updates.check_flag, flag, plan, owner.name, after=event)
+        return True
 
     def _window_finite(self, owner: Unit, contributions: list[Contribution]) -> None:
         # whether the window's earlier contributions were finite, for the check when the last one streams

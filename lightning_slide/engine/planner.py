@@ -11,6 +11,7 @@ at a time.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ def plan_host(
     units: list[list[nn.Parameter]],
     optimizer: torch.optim.Optimizer | None,
     *,
-    retain_grads: bool,
+    retained: Collection[nn.Parameter] = frozenset(),
     landing_bytes: int,
     compact_grads: set[nn.Parameter] = frozenset(),
     pinned: bool,
@@ -68,6 +69,8 @@ def plan_host(
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
     Args:
+        retained: parameters whose gradients wait on the host for their update (accumulation, clipping, deferred
+            updates).
         compact_grads: parameters whose retained gradients are kept in bf16.
         frozen_bytes_per_element: element sizes that parameters will be stored with, where they differ from now.
         state_block_numel: with the optimizer state on disk, the elements of its row blocks (``None``: in RAM).
@@ -100,7 +103,7 @@ def plan_host(
         disk += sum(page_aligned(p.numel() * 4) for p in disk_masters)
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
         state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * read_ahead_bytes)
-    retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable) if retain_grads else 0
+    retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable & set(retained))
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     if share > 1:  # the masters move into shared memory unit by unit; each process's files hold its rows' state
         masters, retained, disk = masters // share, retained // share, disk // share

@@ -8,7 +8,8 @@
       Step.grads_ready            ("forward": every gradient is on the host, shown as param.grad)
       hooks, Step.clip            (the global norm sets the clipping coefficient)
       Step.grads_taken            (param.grad hidden again: the optimizer's own update finds none)
-      user's optimizer.step()     its post-hook, Step.finish: "forward" queues the updates in forward order
+      user's optimizer.step()     its post-hook, Step.finish: "forward" queues the updates in forward order (and
+                                  "backward" those of its deferred blocks)
 
 The schedules themselves are described in ``engine.py``.
 """
@@ -54,6 +55,7 @@ class Step:
         guard: the boundary guard, checking the first training backward (``guard.py``).
         resident: the parameters kept on the device.
         world: the processes of a data-parallel run (``world.py``); ``None``: one.
+        deferred: schedule "backward": the blocks updated when the step ends, not as their backward ends.
     """
 
     def __init__(
@@ -73,8 +75,10 @@ class Step:
         guard: Guard,
         resident: list[nn.Parameter] = (),
         world: DataParallel | None = None,
+        deferred: list[Unit] = (),
     ) -> None:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
+        self.deferred = set(deferred)
         self.resident = resident  # on the device: autograd leaves their gradients, the user's optimizer steps them
         self._resident_set = set(resident)
         self.world = world  # several processes: the streamed units' gradients arrive averaged, the resident ones here
@@ -115,7 +119,8 @@ class Step:
             self.sender.measure(unit, grads)
             return
         start = time.perf_counter()
-        self.sender.push(unit, grads, self.plan if self.schedule != "forward" else None, averaged)
+        streams = self.schedule != "forward" and unit not in self.deferred
+        self.sender.push(unit, grads, self.plan if streams else None, averaged)
         self.window.stats.wait_send_s += time.perf_counter() - start
 
     def backward(self, loss: torch.Tensor, run: Callable[..., None], max_norm: float | None = None) -> None:
@@ -277,9 +282,10 @@ class Step:
                 touched = split is not None and unit is self.rows.unit
                 self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
                                       run=self.rows.update_touched if touched else None)  # fmt: skip
-        elif self.updates.pending:  # gradients retained from earlier micro-batches of a unit that skipped the last
+        elif self.updates.pending:  # the deferred blocks', and those of a unit that skipped the last micro-batch
             for unit in self._update_order():
-                self.updates.schedule(unit, plan, check_finite=True)
+                flagged = unit in self.deferred and self.sender.check_window(unit, plan)  # no CPU pass over them
+                self.updates.schedule(unit, plan, check_finite=not flagged)
         self.sender.window_done()
         plan.finished = True  # every update of the step is queued
         self.updates.updated.clear()
