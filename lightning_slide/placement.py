@@ -139,7 +139,7 @@ def choose_engine(
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
             resident=resident if schedule != "norm-first" else (), world=options.world,
-            shared=options.shared, defer_blocks=deferred if schedule == run.schedule else 0,
+            shared=options.shared, defer_blocks=deferred,
         )  # fmt: skip
 
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
@@ -415,9 +415,10 @@ def _deferral(engine: SlideEngine, work: Work, rates: Rates) -> int:
     if engine.schedule != "backward" or engine.optimizer is None:
         return 0
     trainable = engine.streamed_trainable()
-    times = []
-    for k in range(len(engine.blocks) + 1):
-        params, matmul = _trained(engine.blocks[:k], trainable)
+    times, params, matmul = [predict_step_s(work, "backward", rates)], 0, 0
+    for block in engine.blocks:
+        block_params, block_matmul = _trained([block], trainable)
+        params, matmul = params + block_params, matmul + block_matmul
         times.append(predict_step_s(replace(work, deferred=params, deferred_matmul=matmul), "backward", rates))
     best = min(range(len(times)), key=times.__getitem__)
     return best if times[best] < 0.99 * times[0] else 0
