@@ -279,9 +279,20 @@ def worker_in_step(tasks: list[tuple[str, float, float, float]], marks: dict[str
     if t1 - free_from > min_gap_s:
         gaps.append(f"{ms(free_from)}-{ms(t1)} to the end")
     phases = " ".join(f"{k}={ms(v)}" for k, v in marks.items() if k != "start")
+    by_task: dict[str, list[float]] = {}
+    for name, taken, start, end in inside:
+        spent = by_task.setdefault(name, [0, 0.0, 0.0])
+        spent[0] += 1
+        spent[1] += max(0.0, start - taken) * 1e3
+        spent[2] += max(0.0, end - start) * 1e3
+    tasks_text = " ".join(f"{name}:n={n},wait={w:.1f},busy={b:.1f}" for name, (n, w, b) in by_task.items())
+    waits = [f"{name}@{ms(taken)}+{(start - taken) * 1e3:.1f}" for name, taken, start, _ in inside
+             if start - taken > min_gap_s]  # fmt: skip
     return (
         f"worker (ms from the step's start; {phases}): busy={busy * 1e3:.1f} waiting_for_copies={waiting * 1e3:.1f}"
         f" idle_over_{min_gap_s * 1e3:.0f}ms=[{', '.join(gaps[:12])}{', ...' if len(gaps) > 12 else ''}]"
+        f" waits_over_{min_gap_s * 1e3:.0f}ms=[{', '.join(waits[:16])}{', ...' if len(waits) > 16 else ''}]"
+        f" by_task=[{tasks_text}]"
     )
 
 

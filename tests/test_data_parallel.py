@@ -339,6 +339,7 @@ def test_a_non_finite_gradient_in_one_process_stops_every_process(tmp_path, clip
     assert "process(es) failed: one of them stopped" not in done.stderr, done.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_hook_changing_the_shared_gradients_is_refused_before_the_update(tmp_path):
     # clipping shows the step's gradients as param.grad; the node's processes hold them once, so a callback halving
     # them in every process would quarter them with two processes
@@ -357,7 +358,7 @@ def test_the_processes_of_a_node_plan_on_their_share_of_its_ram(tmp_path):
     assert "more host memory but only 0.05 GiB is available" in done.stderr
 
 
-@pytest.mark.parametrize("devices", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_the_processes_of_a_node_hold_the_state_once_and_each_updates_its_share(tmp_path, devices):
     # AdamW (two groups, tied embeddings) with clipping: masters, moments and the retained gradients in the memory
     # the node's processes share; each process updates its rows of every parameter

@@ -305,7 +305,8 @@ def test_the_order_of_uploads_at_each_training_gather(monkeypatch, clip):
     assert all(g.startswith("0rows1rows]" if d else "0rows]1") for g, d in zip(gathers, deferred)), gathers
 
 
-@pytest.mark.parametrize(("tied", "clip"), [(True, 0.5), (False, 0.5), (False, None)])
+@pytest.mark.parametrize(("tied", "clip"), [pytest.param(True, 0.5, marks=pytest.mark.slow), (False, 0.5),
+                                            pytest.param(False, None, marks=pytest.mark.slow)])  # fmt: skip
 def test_checkpoint_and_resume_at_epoch_end_continue_exactly(tmp_path, tied, clip):
     # the embedding's update split in two (embedding.py). Clipping: schedule "forward"; untied, its touched rows are
     # updated on the device, so the checkpoint must wait for their write-back. No clipping: "backward", where the last
@@ -607,7 +608,7 @@ def test_host_plan_counts_bf16_retained_gradients_at_two_bytes():
     assert plan.retained_grads == 40 * 2 + 6 * 4
 
 
-@pytest.mark.parametrize("schedule", ["backward", "forward"])
+@pytest.mark.parametrize("schedule", ["backward", pytest.param("forward", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("adam", marks=pytest.mark.slow),
                                        pytest.param("sgd", marks=pytest.mark.slow)])  # fmt: skip
 def test_embedding_update_in_two_parts_equals_one_update(monkeypatch, optimizer, schedule):
@@ -915,10 +916,11 @@ class _ReadsGrads(L.Callback):
     [
         (dict(gradient_clip_val=0.05), {}, [], True),  # clipping by norm that triggers: schedule "forward"
         (dict(gradient_clip_val=0.01, gradient_clip_algorithm="value"), {}, [], True),
-        ({}, dict(update_schedule="forward"), [], True),  # no clipping: the rows checked for NaN/Inf on the host
+        # no clipping: the rows checked for NaN/Inf on the host
+        pytest.param({}, dict(update_schedule="forward"), [], True, marks=pytest.mark.slow),
         (dict(gradient_clip_val=0.05), {}, [_ReadsGrads()], False),  # a hook sees param.grad
         (dict(gradient_clip_val=0.05), dict(on_nonfinite="skip"), [], False),
-        (dict(gradient_clip_val=0.05, accumulate_grad_batches=2), {}, [], False),
+        pytest.param(dict(gradient_clip_val=0.05, accumulate_grad_batches=2), {}, [], False, marks=pytest.mark.slow),
         pytest.param(dict(gradient_clip_val=0.05, accelerator="gpu"), {}, [], True, marks=pytest.mark.gpu),
     ],
 )

@@ -37,7 +37,7 @@ def test_fp32_matches_plain_lightning(family, tied, accumulate, clip):
         assert our_module.model.lm_head.weight is our_module.model.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("clip", [None, pytest.param(0.05, marks=pytest.mark.slow)])
 def test_one_pass_loss_matches(tune, clip):
     # the installed loss's one-pass walk (gradients in the forward, scaled by Lightning's 1/2 in the backward)
     import lightning_slide.kernels.linear_cross_entropy as flce

@@ -15,8 +15,9 @@ from lightning_slide.engine import EngineConfig
 from lightning_slide.engine.nvme import NvmeStateError
 
 
-@pytest.mark.parametrize(("clip", "accumulate", "small_blocks"), [(None, 1, False), (0.05, 1, False), (None, 2, False),
-                                                                  (None, 1, True), (0.05, 1, True)])  # fmt: skip
+@pytest.mark.parametrize(("clip", "accumulate", "small_blocks"), [
+    (None, 1, False), (0.05, 1, False), pytest.param(None, 2, False, marks=pytest.mark.slow),
+    pytest.param(None, 1, True, marks=pytest.mark.slow), (0.05, 1, True)])  # fmt: skip
 def test_nvme_trains_exactly_like_ram_and_plain(tmp_path, monkeypatch, clip, accumulate, small_blocks):
     from lightning_slide.engine import nvme
 
@@ -55,7 +56,7 @@ def test_nvme_trains_exactly_like_ram_and_plain(tmp_path, monkeypatch, clip, acc
     assert (seen["blocks"] > 1) == small_blocks
 
 
-@pytest.mark.parametrize("small_blocks", [False, True])
+@pytest.mark.parametrize("small_blocks", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_nvme_resume_is_exact(tmp_path, monkeypatch, small_blocks):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -182,7 +183,7 @@ def test_too_small_disk_is_refused_before_anything_is_written(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("ram", ["plenty", "short"])
+@pytest.mark.parametrize("ram", [pytest.param("plenty", marks=pytest.mark.slow), "short"])
 def test_auto_puts_the_state_on_nvme_only_when_ram_is_short(tmp_path, monkeypatch, caplog, ram):
     import lightning_slide.strategy as strategy_module
 
@@ -373,7 +374,7 @@ def _masters_strategy(path) -> SlideFormerStrategy:
     return SlideFormerStrategy(num_slots=2, optimizer_offload="nvme", nvme_path=str(path), nvme_masters=True)
 
 
-@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.05, 1), (None, 2)])
+@pytest.mark.parametrize(("clip", "accumulate"), [(None, 1), (0.05, 1), pytest.param(None, 2, marks=pytest.mark.slow)])
 def test_nvme_masters_train_exactly_like_ram(tmp_path, clip, accumulate):
     seen = {}
 
@@ -419,6 +420,7 @@ def _in_bf16(module):
     return exact, loaded
 
 
+@pytest.mark.slow
 def test_a_model_loaded_in_bf16_gets_exact_fp32_masters_and_resumes_exactly(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -567,6 +569,7 @@ fit(CausalLM(tiny_config("llama")), strategy, steps=4, callbacks=[Kill()])
 """
 
 
+@pytest.mark.slow
 def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_counted(tmp_path, monkeypatch, caplog):
     import shutil
     import signal

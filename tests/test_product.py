@@ -73,7 +73,7 @@ def test_validation_metrics_equal_full_logits_computation():
     assert metrics["val/accuracy"] == pytest.approx(correct / tokens, rel=1e-6)
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dropout", [pytest.param(0.0, marks=pytest.mark.slow), 0.1])
 def test_lora_fp32_matches_plain_peft_and_trains_only_adapters(dropout):
     lora = LoRA(r=4, alpha=8, dropout=dropout)
     ref, _, _ = train(lora=lora)
@@ -556,7 +556,7 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, stop):
     assert err == 0, f"{where}: {err:.2e}"
 
 
-@pytest.mark.parametrize("tier", ["ram", "nvme-masters"])
+@pytest.mark.parametrize("tier", ["ram", pytest.param("nvme-masters", marks=pytest.mark.slow)])
 def test_generate_streams_the_checkpoints_greedy_continuation(tmp_path, capsys, tier):
     from lightning_slide.data import builtin_tokenizer
 
