@@ -12,15 +12,19 @@ from .linear_cross_entropy import (
     fused_linear_cross_entropy_ref,
 )
 from .norm import RMSNormFunction, rms_norm, rms_norm_ref
+from .rotary import RotaryFunction, rotary_embedding, rotary_embedding_ref
 
 __all__ = [
     "FlashAttention",
     "FusedLinearCrossEntropy",
     "RMSNormFunction",
+    "RotaryFunction",
     "flash_attention",
     "flash_attention_ref",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_ref",
     "rms_norm",
     "rms_norm_ref",
+    "rotary_embedding",
+    "rotary_embedding_ref",
 ]

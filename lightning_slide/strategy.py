@@ -30,9 +30,9 @@ from .engine.machine import available_host_bytes, device_budget, locked_memory_l
 from .engine.nvme import sweep_stale_state
 from .engine.shared_host import SharedHost, drop_weights, is_placeholder, placeholder
 from .engine.world import DataParallel
+from .fused import use_fused_ops
 from .loss import causal_lm_loss
 from .models import Layout, disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
-from .norms import use_fused_rms_norm
 from .placement import (
     PLACEMENTS,
     SCHEDULES,
@@ -111,10 +111,10 @@ class SlideFormerStrategy(Processes):
             ``"slide"`` requires it, ``"slide_kernel"`` requires it and sends dense batches to the kernel too
             (``"slide"`` gives those to PyTorch's cuDNN attention where it runs them), ``None`` keeps the model's own.
             Restored when training ends.
-        fused_norm: run Hugging Face's Llama-style RMSNorm modules on the project's fused kernel (one pass forward,
-            one backward, the same formula; modules whose forward differs keep it): ``"auto"`` on CUDA, ``True``
-            everywhere (off CUDA the kernel needs ``TRITON_INTERPRET=1``, else the same formula runs in torch),
-            ``False`` keeps every module's own forward. Restored when training ends.
+        fused_ops: run Hugging Face's Llama-style RMSNorm modules and rotary embedding on the project's fused
+            kernels (one pass each way, the same formula; a model whose code differs keeps it): ``"auto"`` on CUDA,
+            ``True`` everywhere (off CUDA the kernels need ``TRITON_INTERPRET=1``, else the same formulas run in
+            torch), ``False`` keeps the model's own code. Restored when training ends.
         placement: ``"auto"`` trains the whole model on the GPU as plain Lightning does (nothing streams, torch's
             optimizer steps there) when parameters, gradients, optimizer state and activations fit the GPU memory the
             process may use; otherwise it streams the blocks and keeps on the GPU what fits the memory the window and
@@ -150,7 +150,7 @@ class SlideFormerStrategy(Processes):
         on_nonfinite: Literal["raise", "skip"] = "raise",
         cpu_threads: int | None = None,
         attention: Literal["auto", "slide", "slide_kernel"] | None = "auto",
-        fused_norm: bool | Literal["auto"] = "auto",
+        fused_ops: bool | Literal["auto"] = "auto",
         placement: Literal["auto", "stream"] = "auto",
         device_memory_gib: float | None = None,
         tokens_per_batch: int | None = None,
@@ -170,8 +170,8 @@ class SlideFormerStrategy(Processes):
             raise ValueError(f"cpu_threads must be a positive int or None; got {cpu_threads!r}.")
         if attention not in ("auto", "slide", "slide_kernel", None):
             raise ValueError(f"attention must be 'auto', 'slide', 'slide_kernel' or None; got {attention!r}.")
-        if fused_norm not in (True, False, "auto"):
-            raise ValueError(f"fused_norm must be True, False or 'auto'; got {fused_norm!r}.")
+        if fused_ops not in (True, False, "auto"):
+            raise ValueError(f"fused_ops must be True, False or 'auto'; got {fused_ops!r}.")
         if engine is not None and not isinstance(engine, EngineConfig):
             raise TypeError(f"engine must be a lightning_slide.engine.EngineConfig; got {type(engine).__name__}.")
         if offload_activations not in (True, False, "auto"):
@@ -215,7 +215,7 @@ class SlideFormerStrategy(Processes):
         self.on_nonfinite = on_nonfinite
         self.cpu_threads = cpu_threads
         self.attention = attention
-        self.fused_norm = fused_norm
+        self.fused_ops = fused_ops
         self.placement = placement
         self.device_memory_gib = device_memory_gib
         self.tokens_per_batch = tokens_per_batch
@@ -295,8 +295,8 @@ class SlideFormerStrategy(Processes):
             restore = use_slide_attention(layout.pretrained, required=required, name=name)
             if restore is not None:
                 self._restores.append(restore)
-        if self.fused_norm is True or (self.fused_norm == "auto" and cuda):
-            restore = use_fused_rms_norm(module)
+        if self.fused_ops is True or (self.fused_ops == "auto" and cuda):
+            restore = use_fused_ops(module)
             if restore is not None:
                 self._restores.append(restore)
         budget = device_budget(self.root_device)

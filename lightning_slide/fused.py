@@ -1,0 +1,190 @@
+"""Hugging Face's RMSNorm modules and rotary embedding switched to the fused kernels for the run.
+
+Both switches are guarded by a probe: the model's own code runs on random inputs (fp32 and bf16, on the CPU) and
+must give Llama's formula, else it is left alone. A variant that differs (Gemma's ``1 + weight`` norm, an interleaved
+or multimodal rotary) keeps its code: the switch never changes what a model computes, only how many kernels it takes.
+
+- **RMSNorm** (``kernels/norm.py``): a module whose class is named ``...RMSNorm``, with a 1-D ``weight`` and an
+  epsilon (``variance_epsilon`` or ``eps``). Its instance's class is swapped for a subclass whose forward calls the
+  kernel.
+- **Rotary embedding** (``kernels/rotary.py``): the ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` of each modeling
+  file the model's modules come from (transformers' attention modules call that module-level function). It is
+  replaced there by one that sends the inputs the kernel covers to it and anything else (a partial rotary, extra
+  arguments) to the original. Other models of the same family in the process get the same numbers.
+
+Both are undone when training ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from .kernels.norm import rms_norm, rms_norm_ref
+from .kernels.rotary import rotary_embedding, rotary_embedding_ref, runs_on_kernel
+
+log = logging.getLogger(__name__)
+_FUSED: dict[type, type] = {}  # an RMSNorm class -> its subclass with the fused forward
+_ROTARY = "apply_rotary_pos_emb"
+
+
+def use_fused_ops(model: nn.Module) -> Callable[[], None] | None:
+    """Switch the model's qualifying RMSNorm modules and rotary embeddings to the kernels (module docstring).
+
+    Returns:
+        a function that undoes the switch, or ``None`` if nothing qualified.
+    """
+    restores = [r for r in (use_fused_rms_norm(model), use_fused_rotary(model)) if r is not None]
+    if not restores:
+        return None
+    return lambda: [restore() for restore in restores]
+
+
+def _epsilon(module: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _fused_forward(self, hidden_states: Tensor) -> Tensor:
+    return rms_norm(hidden_states, self.weight, _epsilon(self))
+
+
+def _close(theirs, ours, dtype: torch.dtype) -> bool:
+    if not isinstance(theirs, Tensor) or theirs.dtype != ours.dtype or theirs.shape != ours.shape:
+        return False
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    return torch.allclose(theirs.float(), ours.float(), rtol=tolerance, atol=tolerance)
+
+
+def _norm_follows_llama(module: nn.Module, eps: float) -> bool:
+    """Whether the module's own forward computes :func:`rms_norm_ref`."""
+    width = module.weight.shape[0]
+    twin = copy.copy(module)  # a CPU twin: the module's weight may be on the meta device or streamed
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = (torch.randn(width, generator=generator) * 0.5 + 1).to(dtype)
+        twin._parameters = {**module._parameters, "weight": nn.Parameter(weight, requires_grad=False)}
+        x = (torch.randn(2, 3, width, generator=generator) * 3).to(dtype)
+        with torch.no_grad():
+            try:
+                theirs = type(module).forward(twin, x)
+            except Exception:  # a forward that wants more than the hidden states
+                return False
+            if not _close(theirs, rms_norm_ref(x, weight, eps), dtype):
+                return False
+    return True
+
+
+def use_fused_rms_norm(model: nn.Module) -> Callable[[], None] | None:
+    """Swap the class of each RMSNorm module that passes the probe; returns the undo, or ``None``."""
+    verdicts: dict[type, bool] = {}
+    switched: list[tuple[nn.Module, type]] = []
+    for module in model.modules():
+        cls = type(module)
+        weight, eps = getattr(module, "weight", None), _epsilon(module)
+        if not cls.__name__.endswith("RMSNorm") or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+            continue
+        if eps is None or cls in _FUSED.values():
+            continue
+        if cls not in verdicts:
+            verdicts[cls] = _norm_follows_llama(module, eps)
+        if verdicts[cls]:
+            module.__class__ = _FUSED.setdefault(cls, type(cls.__name__, (cls,), {"forward": _fused_forward}))
+            switched.append((module, cls))
+    kept = sorted(cls.__name__ for cls, ok in verdicts.items() if not ok)
+    if kept:
+        log.info("SlideFormer keeps the forward of %s: not Llama's RMSNorm formula.", ", ".join(kept))
+    if not switched:
+        return None
+    log.info("SlideFormer runs %d RMSNorm modules on the fused kernel.", len(switched))
+
+    def restore() -> None:
+        for module, cls in switched:
+            module.__class__ = cls
+
+    return restore
+
+
+def _rotary_default_dim(function: Callable) -> int | None:
+    """``unsqueeze_dim``'s default if ``function`` is ``(q, k, cos, sin, <optional arguments, unsqueeze_dim among
+    them>)``, else ``None``."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if [p.name for p in parameters[:4]] != ["q", "k", "cos", "sin"]:
+        return None
+    if any(p.default is inspect.Parameter.empty for p in parameters[4:] if p.kind is not p.VAR_KEYWORD):
+        return None
+    dims = [p.default for p in parameters if p.name == "unsqueeze_dim"]
+    return dims[0] if dims else None
+
+
+def _rotary_follows_llama(function: Callable, dim: int) -> bool:
+    """Whether ``function(q, k, cos, sin)`` computes :func:`rotary_embedding_ref` of each (fp32 and bf16 inputs)."""
+    generator = torch.Generator().manual_seed(0)
+    heads_first = dim == 1
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = ((torch.randn(2, 5, h, 8, generator=generator)).to(dtype) for h in (4, 2))
+        if heads_first:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = (torch.randn(2, 5, 8, generator=generator) for _ in range(2))
+        with torch.no_grad():
+            try:
+                theirs = function(q, k, cos, sin)
+            except Exception:
+                return False
+            if not isinstance(theirs, tuple) or len(theirs) != 2:
+                return False
+            if not all(
+                _close(t, rotary_embedding_ref(x, cos, sin, dim), dtype) for t, x in zip(theirs, (q, k), strict=True)
+            ):
+                return False
+    return True
+
+
+def _fused_rotary(original: Callable, dim: int) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=dim, **kwargs):
+        if args or kwargs or not all(runs_on_kernel(x, cos, sin, unsqueeze_dim) for x in (q, k)):
+            return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        return rotary_embedding(q, cos, sin, unsqueeze_dim), rotary_embedding(k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.original = original
+    return apply_rotary_pos_emb
+
+
+def use_fused_rotary(model: nn.Module) -> Callable[[], None] | None:
+    """Replace ``apply_rotary_pos_emb`` in the model's modeling files where it passes the probe; returns the undo, or
+    ``None``."""
+    files = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    switched = []
+    for file in files:
+        original = getattr(file, _ROTARY, None)
+        if not callable(original) or hasattr(original, "original"):
+            continue
+        dim = _rotary_default_dim(original)
+        if dim in (1, 2) and _rotary_follows_llama(original, dim):
+            setattr(file, _ROTARY, _fused_rotary(original, dim))
+            switched.append((file, original))
+        else:
+            log.info("SlideFormer keeps %s.%s: not Llama's rotary formula.", file.__name__, _ROTARY)
+    if not switched:
+        return None
+    log.info(
+        "SlideFormer runs the rotary embedding of %s on the fused kernel.", ", ".join(f.__name__ for f, _ in switched)
+    )
+
+    def restore() -> None:
+        for file, original in switched:
+            setattr(file, _ROTARY, original)
+
+    return restore
