@@ -66,12 +66,13 @@ def _close(theirs, ours, dtype: torch.dtype) -> bool:
 
 
 def _norm_follows_llama(module: nn.Module, eps: float) -> bool:
-    """Whether the module's own forward computes :func:`rms_norm_ref`."""
+    """Whether the module's own forward computes :func:`rms_norm_ref`, for inputs and weights in fp32 and bf16 and for
+    bf16 inputs with an fp32 weight (bf16-mixed, where the output's dtype tells the variants apart)."""
     width = module.weight.shape[0]
     twin = copy.copy(module)  # a CPU twin: the module's weight may be on the meta device or streamed
     generator = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        weight = (torch.randn(width, generator=generator) * 0.5 + 1).to(dtype)
+    for dtype, weight_dtype in ((torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)):
+        weight = (torch.randn(width, generator=generator) * 0.5 + 1).to(weight_dtype)
         twin._parameters = {**module._parameters, "weight": nn.Parameter(weight, requires_grad=False)}
         x = (torch.randn(2, 3, width, generator=generator) * 3).to(dtype)
         with torch.no_grad():

@@ -204,3 +204,18 @@ def test_rotary_kernel_on_cuda_within_twice_the_formulas_error(dtype):
     for name, got, formula, want in zip(("y", "dx"), ours, plain, exact, strict=True):
         e_ours, e_plain = ((got - want).norm() / want.norm()).item(), ((formula - want).norm() / want.norm()).item()
         assert e_ours <= 2 * e_plain + 1e-6, f"{name}: {e_ours:.2e} against the formula's {e_plain:.2e}"
+
+
+class CastAtTheEndRMSNorm(LlamaRMSNorm):
+    """DeepSeek-V4's variant: the weight multiplies in fp32 and the output takes the input's dtype. Equal to Llama's
+    in fp32 and for bf16 weights within rounding; only a bf16 input with an fp32 weight tells them apart."""
+
+    def forward(self, hidden_states):
+        h = hidden_states.to(torch.float32)
+        return (self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))).to(
+            hidden_states.dtype
+        )
+
+
+def test_the_norm_probe_tells_a_variant_apart_by_its_mixed_precision_output():
+    assert fused.use_fused_rms_norm(nn.ModuleDict({"v4": CastAtTheEndRMSNorm(16)})) is None

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import VOCAB, fit, token_data
 from lightning_slide import BoundaryError, SlideFormerStrategy
+from lightning_slide.fused import use_fused_ops
+from lightning_slide.kernels import norm as fused
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +131,36 @@ def test_tiny_configs_really_build_most_families():
             model = AutoModelForCausalLM.from_config(_config(family))
         built += sum(p.numel() for p in model.parameters()) < MAX_PARAMS and isinstance(model, nn.Module)
     assert built == 8
+
+
+@pytest.mark.parametrize("family", _families())
+def test_fused_ops_leave_every_family_computing_the_same(family):
+    # the fused RMSNorm and rotary kernels take over only code that computes Llama's formulas (lightning_slide.fused)
+    if not fused._INTERPRET:
+        pytest.skip("the kernels on CPU tensors need TRITON_INTERPRET=1")
+    module = _build(family)
+    ids = token_data(n=2)
+
+    def loss_and_grads():
+        module.zero_grad()
+        torch.manual_seed(0)  # the same dropout masks
+        loss = module.training_step((ids,), 0)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    try:
+        want = loss_and_grads()
+    except Exception as err:
+        pytest.skip(f"{family}: plain forward/backward fails: {type(err).__name__}: {str(err)[:200]}")
+    restore = use_fused_ops(module)
+    if restore is None:
+        return  # nothing switched: the model runs its own code
+    try:
+        got = loss_and_grads()
+    finally:
+        restore()
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[1].items():
+        err = ((got[1][name] - grad).norm() / grad.norm().clamp_min(1e-6)).item()
+        assert err < 1e-4, f"{name}: {err:.2e}"
