@@ -26,7 +26,7 @@ def _grads(fn, x, weight, dy):
 
 @interpreted
 @pytest.mark.parametrize("shape", [(2, 9, 96), (7, 128), (2, 3, 5, 24)])
-def test_kernel_matches_the_formula_forward_and_backward(shape):
+def test_norm_kernel_matches_the_formula_forward_and_backward(shape):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape, generator=generator) * 3
     weight = torch.randn(shape[-1], generator=generator) * 0.5 + 1
@@ -36,7 +36,7 @@ def test_kernel_matches_the_formula_forward_and_backward(shape):
 
 
 @interpreted
-def test_kernel_takes_strided_inputs_and_a_frozen_weight():
+def test_norm_kernel_takes_strided_inputs_and_a_frozen_weight():
     generator = torch.Generator().manual_seed(1)
     x = (torch.randn(6, 40, generator=generator)[:, :32]).requires_grad_()  # rows of stride 40
     weight = torch.randn(32, generator=generator)  # no gradient wanted, as for a frozen base model's norm
@@ -164,7 +164,7 @@ def test_fused_ops_refuses_a_bad_value():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [128, 4096, 5120])
-def test_kernel_on_cuda_within_twice_the_formulas_error(dtype, width):
+def test_norm_kernel_on_cuda_within_twice_the_formulas_error(dtype, width):
     # the input as the residual stream (fp32) or a projection (bf16) gives it, the weight in fp32 as the engine keeps
     # vectors; errors against the formula in fp64 without the rounding step
     generator = torch.Generator(device="cuda").manual_seed(0)
