@@ -3,7 +3,7 @@
 # under a hard time limit, logs and CSV rows written to OUTDIR (default: benchmarks/results/run-<date>).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STEPS...]
-#   STEPS: any of tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters
+#   STEPS: any of tests quickstart flce attention fused core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters
 #          memory_32b_lora nvme_io
 #
 # The package must be importable as lightning_slide (pip install -e ., or PYTHONPATH). Every step is killed at its
@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-benchmarks/results/run-$(date +%F)}")
 shift || true
-steps=("${@:-tests quickstart flce attention core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io}")
+steps=("${@:-tests quickstart flce attention fused core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
@@ -36,6 +36,7 @@ step quickstart 180 python -P -m lightning_slide fit --config recipes/quickstart
 cd benchmarks
 step flce 150 python bench_flce.py --out "$out/flce.csv"
 step attention 150 python bench_attention.py --out "$out/attention.csv"
+step fused 90 python bench_fused.py --out "$out/fused.csv"
 step core 540 python bench_core.py --out "$out/core.csv"
 step memory_8b 300 python bench_memory.py --case 8b --out "$out/memory.csv"
 step memory_8b_64k 330 python bench_memory.py --case 8b-64k --steps 1 --out "$out/memory.csv"  # ~200 s on the H200
