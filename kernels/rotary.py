@@ -114,5 +114,10 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1
     """``x * cos + rotate_half(x) * sin`` with ``cos``/``sin`` (batch, seq, dim) unsqueezed at ``unsqueeze_dim``."""
     if not runs_on_kernel(x, cos, sin, unsqueeze_dim):
         return rotary_embedding_ref(x, cos, sin, unsqueeze_dim)
+    return rotary_on_kernel(x, cos, sin, unsqueeze_dim)
+
+
+def rotary_on_kernel(x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> Tensor:
+    """:func:`rotary_embedding` on the kernel, for inputs that :func:`runs_on_kernel` accepted."""
     cos, sin = (t.contiguous().unsqueeze(unsqueeze_dim).expand(x.shape) for t in (cos, sin))  # same strides
     return RotaryFunction.apply(x, cos, sin)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .kernels.norm import rms_norm, rms_norm_ref
-from .kernels.rotary import rotary_embedding, rotary_embedding_ref, runs_on_kernel
+from .kernels.rotary import rotary_embedding_ref, rotary_on_kernel, runs_on_kernel
 
 log = logging.getLogger(__name__)
 _FUSED: dict[type, type] = {}  # an RMSNorm class -> its subclass with the fused forward
@@ -157,7 +157,7 @@ def _fused_rotary(original: Callable, dim: int) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=dim, **kwargs):
         if args or kwargs or not all(runs_on_kernel(x, cos, sin, unsqueeze_dim) for x in (q, k)):
             return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
-        return rotary_embedding(q, cos, sin, unsqueeze_dim), rotary_embedding(k, cos, sin, unsqueeze_dim)
+        return rotary_on_kernel(q, cos, sin, unsqueeze_dim), rotary_on_kernel(k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.original = original
     return apply_rotary_pos_emb

@@ -11,6 +11,7 @@ from helpers import CausalLM, fit, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy, fused
 from lightning_slide.kernels import norm as kernel_module
 from lightning_slide.kernels import rms_norm, rms_norm_ref, rotary_embedding, rotary_embedding_ref
+from lightning_slide.kernels.rotary import rotary_on_kernel
 
 interpreted = pytest.mark.skipif(
     not kernel_module._INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1"
@@ -84,7 +85,7 @@ def test_training_with_the_fused_ops_equals_plain_lightning(family, monkeypatch)
     original = file.apply_rotary_pos_emb
     norm_widths, rotations = [], []
     monkeypatch.setattr(fused, "rms_norm", lambda *a: norm_widths.append(a[0].shape[-1]) or rms_norm(*a))
-    monkeypatch.setattr(fused, "rotary_embedding", lambda *a: rotations.append(a[0].shape) or rotary_embedding(*a))
+    monkeypatch.setattr(fused, "rotary_on_kernel", lambda *a: rotations.append(a[0].shape) or rotary_on_kernel(*a))
     switched = []
 
     class Look(L.Callback):
