@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from helpers import VOCAB, fit, token_data
 from lightning_slide import BoundaryError, SlideFormerStrategy
 from lightning_slide.fused import use_fused_ops
-from lightning_slide.kernels import norm as fused
+from lightning_slide.kernels import norm as norm_kernel
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ def test_tiny_configs_really_build_most_families():
 @pytest.mark.parametrize("family", _families())
 def test_fused_ops_leave_every_family_computing_the_same(family):
     # the fused RMSNorm and rotary kernels take over only code that computes Llama's formulas (lightning_slide.fused)
-    if not fused._INTERPRET:
+    if not norm_kernel._INTERPRET:
         pytest.skip("the kernels on CPU tensors need TRITON_INTERPRET=1")
     module = _build(family)
     ids = token_data(n=2)
