@@ -41,7 +41,7 @@ class Rates:
         stream_start_s: a streamed step's start, before the window and the updates overlap the compute.
     """
 
-    gpu_tflops: float = 470.0
+    gpu_tflops: float = 500.0
     pcie_gbs: float = 50.0
     cpu_params_per_s: float = 3.5e9
     disk_gbs: float = 3.0
