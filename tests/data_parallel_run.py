@@ -1,4 +1,5 @@
-"""One data-parallel run on the CPU (gloo), as a user's script: ``python data_parallel_run.py STRATEGY OUT [options]``.
+"""One data-parallel run on the CPU (gloo) or on GPUs (NCCL, ``--accelerator gpu``), as a user's script:
+``python data_parallel_run.py STRATEGY OUT [options]``.
 
 Lightning's launcher starts the other processes by running this file again; the first process saves the trained
 weights to OUT. ``tests/test_data_parallel.py`` compares them with Lightning's DDP.
@@ -52,6 +53,9 @@ parser.add_argument("--nan-at", type=int, default=None, help="the last process's
 parser.add_argument("--halve-grads", action="store_true", help="a callback halves the gradients before each step")
 parser.add_argument("--pretrained", default=None, help="a module loading this directory as the README shows")
 parser.add_argument("--report", default=None, help="each process writes REPORT.RANK: where its state lives")
+parser.add_argument("--accelerator", default="cpu")
+parser.add_argument("--placement", default="auto", help="SlideFormerStrategy(placement=...)")
+parser.add_argument("--losses", action="store_true", help="the first process saves each step's loss to OUT.losses")
 args = parser.parse_args()
 
 if args.host_mib:
@@ -101,6 +105,7 @@ strategy = (
         optimizer_offload="nvme" if args.nvme_path else "cpu",
         nvme_masters=args.nvme_masters,
         device_memory_gib=args.device_memory_gib,
+        placement=args.placement,
         **({"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}),
     )  # fmt: skip
 )
@@ -144,6 +149,14 @@ on_disk = [0]  # bytes of this process's NVMe state files, as training ends
 class _Disk(L.Callback):
     def on_train_end(self, trainer, module):
         on_disk[0] = sum(os.path.getsize(path) for path in trainer.strategy.engine.optimizer.store.paths)
+
+
+losses = []  # the first process's training loss, step by step
+
+
+class _Losses(L.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, *_):
+        losses.append(float(outputs["loss"]))
 
 
 class _Mappings(L.Callback):
@@ -196,14 +209,15 @@ def _shared_mappings() -> dict[int, tuple[int, int]]:
 
 saving = [ModelCheckpoint(os.path.dirname(args.out), "{step}", every_n_train_steps=args.save_at, save_top_k=-1)]
 trainer = L.Trainer(
-    strategy=strategy, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
-    logger=False,
+    strategy=strategy, accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+    max_steps=args.steps, logger=False,
     enable_checkpointing=args.save_at is not None,
     callbacks=(saving if args.save_at else []) + ([_Die()] if args.die_at is not None else [])
     + ([_Stall()] if args.stall_at is not None else [])
     + ([_Halve()] if args.halve_grads else [])
     + ([_Disk()] if args.report and args.nvme_path and args.strategy == "slideformer" else [])
-    + ([_Mappings()] if args.report else []),
+    + ([_Mappings()] if args.report else [])
+    + ([_Losses()] if args.losses else []),
     enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=args.clip, precision=args.precision,
     accumulate_grad_batches=args.accumulate, use_distributed_sampler=args.uneven is None,
 )  # fmt: skip
@@ -221,6 +235,8 @@ if trainer.is_global_zero and args.strategy == "slideformer":
     print("kept on the device:", [u.name for u in strategy.plan.units if u.weights == "gpu"])
 if trainer.is_global_zero:
     torch.save({k: v.detach().float().cpu() for k, v in module.state_dict().items()}, args.out)
+    if args.losses:
+        torch.save(losses, f"{args.out}.losses")
 if args.report:
     spans = _shared_mappings()
     optimizer = trainer.optimizers[0]
