@@ -16,6 +16,7 @@ host's memory per parameter: the peak of the machine's used memory (MemTotal - M
 included) over the timed steps, less what was used before the run started. Appends CSV rows to --out.
 
     python benchmarks/bench_multi.py --gpus 1,2,4 --out benchmarks/results/multi.csv
+    python benchmarks/bench_multi.py --gpus 1,2,4 --layers 32 --batch 8 --clip 1.0   # the 8B shape, 32k per GPU
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def used_bytes() -> int:
 
 
 def fsdp2_child(
-    rank: int, gpus: int, layers: int, batch: int, seq: int, steps: int, warmup: int, port: int, out
+    rank: int, gpus: int, layers: int, batch: int, seq: int, steps: int, warmup: int, clip: float | None, port: int, out
 ) -> None:
     """One process of FSDP2 with CPU offload, as its documentation sets it up (Lightning's ModelParallelStrategy
     moves the module to the GPU after ``configure_model``, which CPU offload does not allow)."""
@@ -67,6 +68,11 @@ def fsdp2_child(
             threading.Thread(target=_sample, args=(used,), daemon=True).start()
         ids = torch.randint(0, 128256, (batch, seq), generator=g).cuda()
         model(input_ids=ids, labels=ids).loss.backward()
+        if clip is not None:  # as clip_grad_norm_, over the offloaded (CPU) shards: their squares summed over NCCL
+            grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]
+            total = torch.stack([g.float().square().sum() for g in grads]).sum().cuda()
+            dist.all_reduce(total)
+            torch._foreach_mul_(grads, (clip / (total.sqrt() + 1e-6)).clamp(max=1.0).cpu())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -89,7 +95,9 @@ def _result(ends, warmup, gpus, batch, seq, params, used) -> dict:
             "host_peak_used": max(used, default=0)}  # fmt: skip
 
 
-def child(system: str, gpus: int, layers: int, batch: int, seq: int, steps: int, warmup: int, cap: float) -> None:
+def child(
+    system: str, gpus: int, layers: int, batch: int, seq: int, steps: int, warmup: int, clip: float | None, cap: float
+) -> None:
     """One run: Lightning's launcher starts the other processes by running this again; the first prints the result."""
     import lightning as L
     from bench_core import llama_config, param_count
@@ -129,8 +137,8 @@ def child(system: str, gpus: int, layers: int, batch: int, seq: int, steps: int,
     data = [torch.randint(0, 128256, (batch, seq), generator=g) for _ in range((warmup + steps) * gpus)]
     trainer = L.Trainer(
         strategy=strategy, accelerator="gpu", devices=gpus, precision="bf16-mixed", max_steps=warmup + steps,
-        callbacks=[Clock()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=True,
+        gradient_clip_val=clip, callbacks=[Clock()], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True,
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=None))
     if trainer.is_global_zero:
@@ -146,11 +154,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--clip", type=float, default=None, help="gradient clipping by norm (SlideFormer: 'forward')")
     parser.add_argument("--gpu-cap-gib", type=float, default=24.0)
     parser.add_argument("--out", default="benchmarks/results/multi.csv")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = [args.layers, args.batch, args.seq, args.steps, args.warmup]
+    sizes = [args.layers, args.batch, args.seq, args.steps, args.warmup, args.clip]
     if args.child:
         system, gpus = args.child.split(":")
         if system == "fsdp2_offload":
@@ -168,12 +177,12 @@ def main() -> None:
     for gpus in [int(n) for n in args.gpus.split(",") if int(n) <= torch.cuda.device_count()]:
         for system in args.systems.split(","):
             before = used_bytes()
-            options = ["--layers", "--batch", "--seq", "--steps", "--warmup"]
+            options = ["--layers", "--batch", "--seq", "--steps", "--warmup", "--clip"]
             command = [sys.executable, __file__, "--child", f"{system}:{gpus}", "--gpu-cap-gib", str(args.gpu_cap_gib)]
-            command += [str(x) for pair in zip(options, sizes) for x in pair]
+            command += [str(x) for pair in zip(options, sizes) if pair[1] is not None for x in pair]
             done = subprocess.run(command, capture_output=True, text=True)
             row = {**env, "model": f"llama-4096x{args.layers}-v128256", "system": system, "gpus": gpus,
-                   "tokens_per_gpu": args.batch * args.seq, **dict.fromkeys(FIELDS, ""),
+                   "tokens_per_gpu": args.batch * args.seq, "clip": args.clip or "", **dict.fromkeys(FIELDS, ""),
                    "gpu_cap_gib": args.gpu_cap_gib if system == "slideformer" else ""}  # fmt: skip
             if done.returncode != 0:
                 print(done.stderr[-3000:], file=sys.stderr, flush=True)
