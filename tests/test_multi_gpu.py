@@ -10,15 +10,13 @@ import pytest
 import torch
 from test_data_parallel import _run, _trained
 
+from helpers import global_error
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
 ]
 ON_GPUS = ("--accelerator", "gpu", "--devices", "2", "--placement", "stream")  # the tiny model would fit whole
-
-
-def _distance(a: dict, b: dict) -> float:
-    return sum(float((a[k] - b[k]).double().square().sum()) for k in a) ** 0.5
 
 
 def test_two_gpus_in_bf16_train_as_ddp(tmp_path):
@@ -32,7 +30,7 @@ def test_two_gpus_in_bf16_train_as_ddp(tmp_path):
     assert len(our_losses) == len(plain_losses) == 50
     worst = max(abs(o - p) / abs(p) for o, p in zip(our_losses, plain_losses))
     assert worst <= 0.01, worst
-    assert _distance(ours, reference) <= 2 * _distance(plain, reference)
+    assert global_error(ours, reference) <= 2 * global_error(plain, reference)
 
 
 def test_a_checkpoint_of_two_gpus_resumes_exactly(tmp_path):
