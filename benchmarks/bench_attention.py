@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import lightning_slide.kernels.attention as attention
-from lightning_slide.kernels import flash_attention
+from lightning_slide.kernels.attention import flash_attention
 from results_csv import append_row, environment
 
 B, HQ, HKV, D = 2, 32, 8, 128

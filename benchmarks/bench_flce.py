@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import lightning_slide.kernels.linear_cross_entropy as flce
-from lightning_slide.kernels import fused_linear_cross_entropy
+from lightning_slide.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from results_csv import append_row, environment
 
 GIB = 2**30

@@ -8,7 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .attention import register as _register_attention
 from .data import TextDataModule
 from .engine import BoundaryError, NonFiniteGradientError, PinnedMemoryError
-from .kernels import fused_linear_cross_entropy
+from .kernels.linear_cross_entropy import fused_linear_cross_entropy
 from .loss import causal_lm_loss
 from .module import CausalLMModule, LoRA
 from .monitor import SlideMonitor

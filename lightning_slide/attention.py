@@ -24,8 +24,7 @@ from torch import Tensor, nn
 from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernels import flash_attention
-from .kernels.attention import HEAD_DIMS
+from .kernels.attention import HEAD_DIMS, flash_attention
 
 NAME = "slide"  # dense CUDA batches to PyTorch's cuDNN attention where it runs them (module docstring)
 KERNEL_ONLY = "slide_kernel"  # every batch to the project's kernel

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels import fused_linear_cross_entropy
+from .kernels.linear_cross_entropy import fused_linear_cross_entropy
 
 
 def causal_lm_loss(

@@ -24,7 +24,7 @@ from torchmetrics import SumMetric
 
 from .data import _missing_directory
 from .engine.machine import available_host_bytes
-from .kernels import fused_linear_cross_entropy
+from .kernels.linear_cross_entropy import fused_linear_cross_entropy
 
 
 @dataclass

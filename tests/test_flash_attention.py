@@ -7,7 +7,7 @@ import triton
 
 import lightning_slide.kernels.attention as fa
 from helpers import kernel_path
-from lightning_slide.kernels import FlashAttention, flash_attention, flash_attention_ref
+from lightning_slide.kernels.attention import FlashAttention, flash_attention, flash_attention_ref
 
 CU = torch.tensor([0, 5, 20, 37], dtype=torch.int32)
 MASKS = pytest.mark.parametrize(

@@ -6,7 +6,11 @@ import torch
 
 import lightning_slide.kernels.linear_cross_entropy as flce
 from helpers import LargestTensor, kernel_path
-from lightning_slide.kernels import FusedLinearCrossEntropy, fused_linear_cross_entropy, fused_linear_cross_entropy_ref
+from lightning_slide.kernels.linear_cross_entropy import (
+    FusedLinearCrossEntropy,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_ref,
+)
 
 N, H, V = 37, 19, 1001
 
