@@ -115,19 +115,22 @@ def use_fused_rms_norm(model: nn.Module) -> Callable[[], None] | None:
     return restore
 
 
-def _rotary_default_dim(function: Callable) -> int | None:
-    """``unsqueeze_dim``'s default if ``function`` is ``(q, k, cos, sin, <optional arguments, unsqueeze_dim among
-    them>)``, else ``None``."""
+def _rotary_default_dims(function: Callable) -> tuple[int, ...]:
+    """The ``unsqueeze_dim`` defaults ``function`` may have: its own if it is ``(q, k, cos, sin, <optional arguments,
+    unsqueeze_dim among them>)``; both layouts if it hides its parameters behind ``(*args, **kwargs)`` (Hugging Face's
+    ``kernels`` wraps transformers' functions so), for the probe to tell; none otherwise."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
-        return None
+        return ()
+    if [p.kind for p in parameters] == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:
+        return (1, 2)
     if [p.name for p in parameters[:4]] != ["q", "k", "cos", "sin"]:
-        return None
+        return ()
     if any(p.default is inspect.Parameter.empty for p in parameters[4:] if p.kind is not p.VAR_KEYWORD):
-        return None
+        return ()
     dims = [p.default for p in parameters if p.name == "unsqueeze_dim"]
-    return dims[0] if dims else None
+    return (dims[0],) if dims and dims[0] in (1, 2) else ()
 
 
 def _rotary_follows_llama(function: Callable, dim: int) -> bool:
@@ -153,6 +156,11 @@ def _rotary_follows_llama(function: Callable, dim: int) -> bool:
     return True
 
 
+def _llama_rotary_dim(function: Callable) -> int | None:
+    """The ``unsqueeze_dim`` default under which ``function`` computes Llama's rotary embedding, or ``None``."""
+    return next((dim for dim in _rotary_default_dims(function) if _rotary_follows_llama(function, dim)), None)
+
+
 def _fused_rotary(original: Callable, dim: int) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, *args, unsqueeze_dim=dim, **kwargs):
         if args or kwargs or not all(runs_on_kernel(x, cos, sin, unsqueeze_dim) for x in (q, k)):
@@ -172,8 +180,8 @@ def use_fused_rotary(model: nn.Module) -> Callable[[], None] | None:
         original = getattr(file, _ROTARY, None)
         if not callable(original) or hasattr(original, "original"):
             continue
-        dim = _rotary_default_dim(original)
-        if dim in (1, 2) and _rotary_follows_llama(original, dim):
+        dim = _llama_rotary_dim(original)
+        if dim is not None:
             setattr(file, _ROTARY, _fused_rotary(original, dim))
             switched.append((file, original))
         else:

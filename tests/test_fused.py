@@ -10,8 +10,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from helpers import CausalLM, fit, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy, fused
 from lightning_slide.kernels import norm as kernel_module
-from lightning_slide.kernels import rms_norm, rms_norm_ref, rotary_embedding, rotary_embedding_ref
-from lightning_slide.kernels.rotary import rotary_on_kernel
+from lightning_slide.kernels.norm import rms_norm, rms_norm_ref
+from lightning_slide.kernels.rotary import rotary_embedding, rotary_embedding_ref, rotary_on_kernel
 
 interpreted = pytest.mark.skipif(
     not kernel_module._INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1"
@@ -140,14 +140,27 @@ def _with_sections(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
     return q, k
 
 
+def _hidden(default_dim):
+    """Llama's rotary behind ``(*args, **kwargs)``, as Hugging Face's ``kernels`` wraps transformers' functions."""
+
+    def apply_rotary_pos_emb(*args, **kwargs):
+        q, k, cos, sin = args
+        dim = kwargs.get("unsqueeze_dim", default_dim)
+        return rotary_embedding_ref(q, cos, sin, dim), rotary_embedding_ref(k, cos, sin, dim)
+
+    return apply_rotary_pos_emb
+
+
 def test_only_llamas_rotary_is_switched_and_a_partial_rotary_takes_the_original():
     from transformers.models.llama import modeling_llama
 
     llama = modeling_llama.apply_rotary_pos_emb
-    assert fused._rotary_default_dim(llama) == 1
-    assert fused._rotary_follows_llama(llama, 1)
-    assert not fused._rotary_follows_llama(_interleaved, 1)
-    assert fused._rotary_default_dim(_with_sections) is None  # a required argument past (q, k, cos, sin)
+    assert fused._llama_rotary_dim(llama) == 1
+    assert fused._llama_rotary_dim(_interleaved) is None
+    assert fused._rotary_default_dims(_with_sections) == ()  # a required argument past (q, k, cos, sin)
+    for dim in (1, 2):
+        assert fused._rotary_default_dims(_hidden(dim)) == (1, 2)
+        assert fused._llama_rotary_dim(_hidden(dim)) == dim
     calls = []
     switched = fused._fused_rotary(lambda *a, **k: calls.append(k) or llama(*a, **k), 1)
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
