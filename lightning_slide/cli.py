@@ -1,11 +1,6 @@
-"""The ``slide`` command: Lightning's CLI over :class:`CausalLMModule` and :class:`TextDataModule`, with the
-SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by default, and the
-:class:`SlideMonitor` callback (tokens/s, MFU, memory on the progress bar) on.
-
-    slide fit --config recipes/quickstart.yaml --trainer.max_steps 20
-    slide export --config recipes/quickstart.yaml --ckpt_path <checkpoint> --out <directory>
-    slide generate --config <run>/config.yaml --ckpt_path <checkpoint> --prompt "seven plus five is"   # generate.py
-    slide plan --config recipes/llama3_1_8b_full.yaml --gpu-memory 24 --host-memory 128   # plan_command.py
+"""Lightning's CLI for the ``slide`` command (``__main__.py``): over :class:`CausalLMModule` and
+:class:`TextDataModule`, with the SlideFormer strategy registered (``strategy: slideformer`` in YAML) and used by
+default, the :class:`SlideMonitor` callback (tokens/s, MFU, memory on the progress bar) on, and errors in a few lines.
 """
 
 from __future__ import annotations
@@ -21,9 +16,8 @@ from typing import NoReturn
 from jsonargparse import ArgumentParser
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from .data import TextDataModule
 from .display import use_slide_display
-from .module import CausalLMModule, check_vocab
+from .module import check_vocab
 from .monitor import SlideMonitor
 
 COMMANDS = {
@@ -188,33 +182,3 @@ def default_loggers(root: str) -> list:
     if not (_TENSORBOARD_AVAILABLE or _TENSORBOARDX_AVAILABLE):
         return [csv]
     return [csv, TensorBoardLogger(save_dir=root, version=csv.version)]
-
-
-def main(args: list[str] | None = None) -> None:
-    """Entry point of ``slide`` and ``python -m lightning_slide``."""
-    argv = sys.argv[1:] if args is None else args
-    if not argv or argv[0] in ("-h", "--help"):
-        (sys.stdout if argv else sys.stderr).write(overview())
-        sys.exit(0 if argv else 2)
-    if argv[:1] == ["export"]:
-        from .export import export
-
-        export(argv[1:])
-        return
-    if argv[:1] == ["generate"]:
-        from .generate import generate
-
-        generate(argv[1:])
-        return
-    if argv[:1] == ["plan"]:
-        from .plan_command import plan
-
-        sys.exit(plan(argv[1:]))
-    SlideCLI(
-        CausalLMModule,
-        TextDataModule,
-        trainer_defaults=trainer_defaults(),
-        save_config_kwargs={"overwrite": True},
-        parser_class=SlideParser,
-        args=args,
-    )

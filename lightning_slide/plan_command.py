@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import warnings
 from contextlib import contextmanager
@@ -27,9 +26,12 @@ from dataclasses import fields, replace
 
 import torch
 
+from .cli import SlideCLI, trainer_defaults
+from .data import TextDataModule
 from .engine.planner import GIB
 from .engine.shared_host import SharedHost
 from .models import find_layout
+from .module import CausalLMModule
 from .placement import Machine
 from .rates import Rates
 
@@ -83,10 +85,6 @@ def _nvme_assumed(given: bool):
 
 
 def _plan(cli_args: list[str], args: argparse.Namespace, rates: Rates):
-    from .cli import SlideCLI, trainer_defaults
-    from .data import TextDataModule
-    from .module import CausalLMModule
-
     cli = SlideCLI(CausalLMModule, TextDataModule, trainer_defaults=trainer_defaults(), run=False, args=cli_args)
     module, trainer, data = cli.model, cli.trainer, cli.datamodule
     module.trainer = trainer
@@ -107,7 +105,3 @@ def _plan(cli_args: list[str], args: argparse.Namespace, rates: Rates):
     shared = SharedHost.on_paper(share) if share > 1 else None
     return strategy.plan_run(trainer, module, layout, optimizer, torch.device("cuda"), data.tokens_per_batch, machine,
                              rates, shared)  # fmt: skip
-
-
-if __name__ == "__main__":
-    sys.exit(plan(sys.argv[1:]))

@@ -14,7 +14,7 @@ import torch
 
 from helpers import global_error, max_rel_error, streamed
 from lightning_slide import SlideFormerStrategy
-from lightning_slide.cli import main as slide
+from lightning_slide.__main__ import main as slide
 from lightning_slide.data import IGNORE, TextDataModule, builtin_tokenizer, pack, tokenize
 from lightning_slide.module import CausalLMModule, LoRA
 from lightning_slide.monitor import SlideMonitor, dense_bf16_peak
@@ -657,8 +657,8 @@ def test_the_readme_pictures_regenerate_from_the_csvs(tmp_path):
     for name in ("throughput.png", "memory.png", "attention.png", "loss.png"):
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-        with open(os.path.join(ROOT, "README.md")) as f:
-            assert f"benchmarks/results/plots/{name}" in f.read()
+        with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+            assert f"../benchmarks/results/plots/{name}" in f.read()
 
 
 def test_the_loss_curves_are_drawn_from_their_csv(tmp_path):
