@@ -127,12 +127,22 @@ def _save(checkpoint: dict, file: Path) -> None:
 def _raise_if_disk_full(err: BaseException, path: Path, need: int) -> None:
     # a failed save's error, where the disk filled (torch's writer says only "unexpected pos"), as one that says so
     free = shutil.disk_usage(path.parent).free
-    if getattr(err, "errno", None) == errno.ENOSPC or free < need:
+    if errno.ENOSPC in _errnos(err) or free < need:
         raise OSError(
             errno.ENOSPC, f"Saving checkpoint {path} failed: its disk is full ({size_text(free)} free, the checkpoint"
             f" needs about {size_text(need)}). The previous checkpoints are intact. Free disk space, or save elsewhere"
             " (ModelCheckpoint(dirpath=...)).",
         ) from err  # fmt: skip
+
+
+def _errnos(err: BaseException | None) -> list[int | None]:
+    # the error's errno and those of the errors it was raised from or while handling (torch's writer raises a
+    # RuntimeError while handling the write's OSError)
+    found = []
+    while err is not None and len(found) < 16:
+        found.append(getattr(err, "errno", None))
+        err = err.__cause__ or err.__context__
+    return found
 
 
 def _assemble(pieces: list[tuple[str, int, str, int, int]], folder: Path) -> None:
