@@ -29,6 +29,21 @@ def _seed():
     torch.manual_seed(1234)
 
 
+@pytest.fixture(autouse=True)
+def _loss_path(request):
+    """Under the interpreter, the loss kernel's Triton path takes ~0.4 s a training step of the tiny models: tests of
+    anything else run its torch path (the same algorithm, and what a CPU run takes without the interpreter). Its own
+    tests, and tests marked ``triton_loss``, keep the Triton path."""
+    import lightning_slide.kernels.linear_cross_entropy as flce
+
+    kept = request.node.get_closest_marker("triton_loss") or request.module.__name__.endswith("linear_cross_entropy")
+    if not flce._INTERPRET or kept:
+        yield
+        return
+    with flce.tuning(triton=False):
+        yield
+
+
 @pytest.fixture
 def tune():
     """``tune(kernel_module, **changes)``: the kernel module's ``tuning(**changes)`` until the test ends."""

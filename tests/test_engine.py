@@ -64,6 +64,7 @@ class _WatchSteps(L.Callback):
         self.mode.__exit__(None, None, None)
 
 
+@pytest.mark.triton_loss
 @pytest.mark.parametrize("install_loss", [True, False])
 def test_no_full_logits_in_a_training_step(tune, install_loss):
     tune(flce, chunk_elements=1000, min_chunk_cols=1)  # chunk the tiny vocabulary too

@@ -17,7 +17,8 @@ def _strategy(**kwargs):
     ("family", "tied", "accumulate", "clip"),
     [
         ("llama", False, 1, None),  # schedule "backward", gradients streamed
-        ("llama", True, 2, 0.05),  # schedule "forward", clipping that triggers, accumulation, tied embeddings
+        # schedule "forward", clipping that triggers, accumulation, tied embeddings; the loss kernel's Triton path
+        pytest.param("llama", True, 2, 0.05, marks=pytest.mark.triton_loss),
         ("qwen3", False, 2, None),  # schedule "backward" with accumulation (retained gradients)
         ("qwen3", True, 1, 0.05),
         ("mistral", False, 1, None),
@@ -37,6 +38,7 @@ def test_fp32_matches_plain_lightning(family, tied, accumulate, clip):
         assert our_module.model.lm_head.weight is our_module.model.model.embed_tokens.weight
 
 
+@pytest.mark.triton_loss
 @pytest.mark.parametrize("clip", [None, pytest.param(0.05, marks=pytest.mark.slow)])
 def test_one_pass_loss_matches(tune, clip):
     # the installed loss's one-pass walk (gradients in the forward, scaled by Lightning's 1/2 in the backward)
