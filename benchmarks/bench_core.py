@@ -189,10 +189,11 @@ def run_slideformer(
                     write_trace(profiler, os.path.join(trace_dir, f"a_{schedule}_{batch.numel()}.json"))
                 return
             engine = trainer.strategy.engine
+            stats = engine.window.stats
             times.append(time.perf_counter())
             timeline.append(
-                (engine.worker.busy_s, engine.worker.wait_s, engine.stats.wait_update_s, engine.stats.wait_send_s,
-                 engine.stats.upload_bytes + getattr(engine.sender, "upload_bytes", 0),  # (older engines: none)
+                (engine.worker.busy_s, engine.worker.wait_s, stats.wait_update_s, stats.wait_send_s,
+                 stats.upload_bytes + getattr(engine.sender, "upload_bytes", 0),  # (older engines: none)
                  engine.sender.download_bytes)
             )  # fmt: skip
 

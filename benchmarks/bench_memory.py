@@ -74,7 +74,7 @@ def train(module, strategy, batch: int, seq: int, steps: int, warmup: int, cap_g
             engine.wait()  # updates in flight hold landing buffers
             pool = engine.activations._free.values() if engine.activations is not None else []
             offloaded.append({
-                "activations_offloaded": engine.offloading, "mlp_tiled": engine.tiling,
+                "activations_offloaded": engine.offload.blocks, "mlp_tiled": engine.offload.tiling,
                 "offload_pool_gib": sum(raw.numel() for buffers in pool for raw, _ in buffers) / GIB,
                 "landing_gib": engine.transfer._landing.qsize() * engine.transfer.chunk_numel * 4 / GIB,
                 "host_train_peak_gib": peak_rss() / GIB,  # host_peak_gib also spans the teardown

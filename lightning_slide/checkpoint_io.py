@@ -26,7 +26,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from .engine.nvme import NvmeStateError, size_text
+from .engine.machine import size_text
+from .engine.nvme import NvmeStateError
 
 CHECKPOINT_FILE = "checkpoint.pt"  # inside a checkpoint directory
 STATE_DIR = "state"

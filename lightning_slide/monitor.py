@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from .display import count_text
-from .engine.nvme import size_text
+from .engine.machine import size_text
 
 GIB = 2**30
 # dense bf16 tensor-core peaks (FLOP/s), most specific names first

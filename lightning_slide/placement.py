@@ -6,19 +6,15 @@ the blocks whose inputs are offloaded, the update schedule, bf16 retained gradie
 from __future__ import annotations
 
 import logging
-import random
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.optim import Optimizer
 
-from .engine import EngineConfig, SlideEngine
+from .engine import SlideEngine
 from .engine.activations import plan_offload
 from .engine.planner import (
     DEVICE_RESERVE,
@@ -28,69 +24,20 @@ from .engine.planner import (
     HostPlan,
     check_host,
     check_window,
-    fused_loss_bytes,
-    plain_activation_bytes,
     plain_training_bytes,
     state_per_fp32,
     usable_device_bytes,
     window_slots,
 )
-from .engine.shared_host import SharedHost
 from .engine.tiling import gated_mlp
 from .engine.units import Unit, in_forward_order
-from .engine.world import DataParallel
 from .models import Layout
+from .options import EngineOptions
 from .rates import Rates, Work, predict_step_s
+from .schedule import hooks_read_grads, norm_first_refusal
+from .tier import Tier, choose_tier, loss_bytes
 
 log = logging.getLogger(__name__)
-
-SCHEDULES = ("auto", "backward", "forward", "norm-first")
-PLACEMENTS = ("auto", "stream")
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """The strategy's choices that the engine carries out (``SlideFormerStrategy``'s arguments, resolved)."""
-
-    num_slots: int | None  # None: "auto"
-    update_schedule: Literal["auto", "backward", "forward", "norm-first"]
-    placement: Literal["auto", "stream"]
-    on_nonfinite: Literal["raise", "skip"]
-    cpu_threads: int | None
-    offload_activations: bool | Literal["auto"]
-    optimizer_offload: Literal["auto", "cpu", "nvme"]
-    nvme_path: str | None
-    nvme_masters: bool
-    config: EngineConfig
-    world: DataParallel | None = None  # more than one process: their gradients averaged
-    shared: SharedHost | None = None  # more than one process on the node: they hold the state once
-
-
-def resolve_schedule(update_schedule: str, on_nonfinite: str, trainer: Any, module: LightningModule) -> str:
-    """The update schedule for ``update_schedule`` ("auto": "forward" when clipping, else "backward"); a schedule
-    that cannot run this fit is refused."""
-    clipping = bool(trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)
-    schedule = update_schedule
-    if schedule == "auto":
-        schedule = "forward" if clipping else "backward"
-    if schedule == "backward" and clipping:
-        raise ValueError(
-            "Gradient clipping needs every gradient before any update, so it runs with"
-            " update_schedule='forward'; got update_schedule='backward'."
-        )
-    if schedule == "norm-first" and (why := norm_first_refusal(trainer, module)):
-        raise ValueError(f"update_schedule='norm-first' {why}; use update_schedule='forward'.")
-    if on_nonfinite == "skip" and schedule == "backward":
-        raise ValueError(
-            "on_nonfinite='skip' needs the global gradient norm before any update: set"
-            " Trainer(gradient_clip_val=...) or use on_nonfinite='raise'."
-        )
-    if on_nonfinite == "skip" and (trainer.gradient_clip_algorithm or "norm") != "norm":
-        raise ValueError(
-            "on_nonfinite='skip' decides from the global gradient norm, which clipping by value does not compute:"
-            " clip by norm (Trainer(gradient_clip_algorithm='norm'), the default) or use on_nonfinite='raise'."
-        )
-    return schedule
 
 
 @dataclass(frozen=True)
@@ -214,6 +161,7 @@ class Plan:
     offloaded_blocks: int = 0
     predicted_step_s: float | None = None
     processes: int = 1  # of the node, each planned alike: its host and disk figures are one process's
+    device: str = "cuda"  # the device type it computes on
     error: Exception | None = None
     engine: SlideEngine | None = None  # a streamed run's engine, not yet set up
 
@@ -243,13 +191,14 @@ class Plan:
         data = self.to_json()
         step = f"{self.predicted_step_s:.3g} s" if self.predicted_step_s is not None else "unknown"
         node = f" (the node's {self.processes} processes)" if self.processes > 1 else ""
+        tokens = f" tokens per batch: {self.tier.tokens};" if self.tier.tokens is not None else ""
+        device = "GPU" if self.device == "cuda" else f"device ({self.device})"
         lines = [
-            f"placement: {data['placement']} ({self.tier.reason}); schedule: {self.schedule or 'plain'}; tokens per"
-            f" batch: {self.tier.tokens}; GPU {self.device_bytes / GIB:.2f} GiB, host {data['host_bytes'] / GIB:.2f}"
-            f" GiB, disk {data['disk_bytes'] / GIB:.2f} GiB{node}; offloaded blocks: {self.offloaded_blocks};"
+            f"placement: {data['placement']} ({self.tier.reason}); schedule: {self.schedule or 'plain'};{tokens}"
+            f" {device} {self.device_bytes / GIB:.2f} GiB, host {data['host_bytes'] / GIB:.2f} GiB, disk"
+            f" {data['disk_bytes'] / GIB:.2f} GiB{node}; offloaded blocks: {self.offloaded_blocks};"
             f"{f' blocks updated during the next forward: {self.deferred_blocks};' if self.deferred_blocks else ''}"
             f" predicted step: {step}",
-            f"{'unit':<40} {'params':>14} {'weights':>8} {'optimizer':>9}",
         ]
         rows: list[list] = []
         for u in self.units:
@@ -257,7 +206,11 @@ class Plan:
                 rows[-1][0] = rows[-1][0].split(" .. ")[0] + " .. " + u.name
             else:
                 rows.append([u.name, u.params, u.weights, u.optimizer])
-        lines += [f"{name:<40} {params:>14,} {weights:>8} {optimizer:>9}" for name, params, weights, optimizer in rows]
+        width = max([40] + [len(name) for name, *_ in rows])
+        lines.append(f"{'unit':<{width}} {'params':>14} {'weights':>8} {'optimizer':>9}")
+        lines += [
+            f"{name:<{width}} {params:>14,} {weights:>8} {optimizer:>9}" for name, params, weights, optimizer in rows
+        ]
         if self.error is not None:
             lines.append(f"does not fit: {self.error}")
         return "\n".join(lines)
@@ -273,7 +226,7 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
     if tier.resident:
         units = [UnitPlacement(n, p, "gpu", "gpu" if t else "none") for n, p, t in _layout_units(module, layout)]
         step = predict_step_s(work, None, rates) if work is not None else None
-        return Plan(tier, None, units, tier.need, None, predicted_step_s=step)
+        return Plan(tier, None, units, tier.need, None, predicted_step_s=step, device=run.device.type)
 
     def engine_and_host(activations: int, resident=(), deferred: int = 0) -> tuple[SlideEngine, HostPlan]:
         engine, host = choose_engine(run, machine.host, activations, resident, deferred)
@@ -284,7 +237,7 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
     engine, host = engine_and_host(0)
     saved = tokens * layout.embedding[1].embedding_dim * 4 if tokens and layout.embedding else 0  # fp32 residual
     loss, queue, working = (
-        _loss_bytes(layout, tokens, logits_built),
+        loss_bytes(layout, tokens, logits_built),
         options.config.max_queued_grad_bytes,
         WORKING_INPUTS * saved,
     )
@@ -355,9 +308,9 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
             fits = _shortfall(trial, trial_host, machine) is None
             if trial.deferred and fits and trial.nvme_path == engine.nvme_path:  # their gradients, not NVMe's pace
                 engine, host = trial, trial_host
-    engine.planned = planned
+    engine.offload.planned = planned
     plan = Plan(tier, engine.schedule, _placements(engine), device.peak, host, offloaded, processes=processes,
-                engine=engine)  # fmt: skip
+                device=run.device.type, engine=engine)  # fmt: skip
     if work is not None:
         plan.predicted_step_s = predict_step_s(_streamed_work(work, engine, host), engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
@@ -404,7 +357,7 @@ def _streamed_work(work: Work, engine: SlideEngine, host: HostPlan) -> Work:
 
 def _trained(blocks: list[Unit], trainable: set[nn.Parameter]) -> tuple[int, int]:
     # the parameters of ``blocks`` the optimizer steps, and the weights of their matrices
-    params = sum(p.numel() for u in blocks for p, o in zip(u.params, u.owner) if o is u and p in trainable)
+    params = sum(p.numel() for u in blocks for p in u.owned() if p in trainable)
     matmul = sum(m.weight.numel() for u in blocks for m in u.module.modules() if isinstance(m, nn.Linear))
     return params, matmul
 
@@ -441,7 +394,7 @@ def _placements(engine: SlideEngine) -> list[UnitPlacement]:
         trained = "gpu" if any(p.requires_grad for p in params) else "none"
         units.append(UnitPlacement(name, sum(p.numel() for p in params), "gpu", trained))
     return units + [
-        UnitPlacement(u.name, sum(p.numel() for p, o in zip(u.params, u.owner) if o is u), "stream",
+        UnitPlacement(u.name, sum(p.numel() for p in u.owned()), "stream",
                       ("nvme" if engine.nvme_path else "cpu") if any(u.trainable) else "none")
         for u in in_forward_order(engine.embedding, engine.blocks, engine.head, engine.leftovers)
     ]  # fmt: skip
@@ -523,152 +476,3 @@ def _work(
     block = sum(m.weight.numel() for m in linear if m in inside)
     other = sum(m.weight.numel() for m in linear if m not in inside)
     return Work(tokens, micro, block, other, streamed=0, trained=0, disk_state_bytes=0)
-
-
-def norm_first_refusal(trainer: Any, module: LightningModule) -> str | None:
-    """Why ``update_schedule="norm-first"`` cannot train this fit (``None``: it can)."""
-    if not trainer.gradient_clip_val:
-        return "clips by norm and needs Trainer(gradient_clip_val=...)"
-    if (trainer.gradient_clip_algorithm or "norm") != "norm":
-        return "clips by norm, not by value"
-    if is_overridden("configure_gradient_clipping", module):
-        return (
-            "clips at Trainer(gradient_clip_val=...) during the backward and cannot run an overridden"
-            " configure_gradient_clipping"
-        )
-    if trainer.accumulate_grad_batches > 1:
-        return "keeps no gradients between micro-batches and cannot accumulate them"
-    return None
-
-
-def hooks_read_grads(trainer: Any, module: LightningModule) -> bool:
-    """Whether the module or a callback overrides a hook that sees ``param.grad`` between backward and step."""
-    hooks = ("on_after_backward", "on_before_optimizer_step")
-    return any(is_overridden(h, module) for h in hooks + ("configure_gradient_clipping",)) or any(
-        is_overridden(h, cb) for cb in trainer.callbacks for h in hooks
-    )
-
-
-def half_trained(optimizer: Optimizer) -> list[nn.Parameter]:
-    """The trained parameters loaded in a half dtype (a model loaded in bf16)."""
-    params = dict.fromkeys(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
-    return [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
-
-
-def frozen_to_store(layout: Layout) -> list[nn.Parameter]:
-    """Frozen fp32 matrices of the blocks and the head, to be kept in the compute dtype on the host; the embedding
-    (streamed by fp32 rows) and anything tied to it keep fp32."""
-    keep = set(layout.embedding[1].parameters()) if layout.embedding is not None else set()
-    modules = [m for _, m in layout.blocks] + ([layout.head[1]] if layout.head is not None else [])
-    params = dict.fromkeys(p for m in modules for p in m.parameters())
-    return [p for p in params if not p.requires_grad and p.dim() >= 2 and p.dtype == torch.float32 and p not in keep]
-
-
-@dataclass(frozen=True)
-class Tier:
-    """Whether the whole run sits on the device, and the figures behind the choice."""
-
-    resident: bool
-    reason: str
-    tokens: int | None = None  # per batch, as planned
-    need: int = 0  # device bytes of the resident run at ``tokens`` tokens per batch
-    max_tokens: int | None = None  # the most tokens per batch the resident run fits (``None``: streamed)
-
-
-def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: bool) -> Tier:
-    """The resident tier when everything plain training puts on the device fits ``budget`` at ``tokens`` tokens per
-    batch: parameters, gradients, optimizer state and activations (``planner.plain_training_bytes``); else stream.
-
-    Args:
-        logits_built: the loss builds the full logits (the model's own loss; not the installed one).
-    """
-    placement, layout, module, optimizer, dtype = (
-        run.options.placement, run.layout, run.module, run.optimizer, run.dtype
-    )  # fmt: skip
-    if placement == "stream":
-        return Tier(False, "placement='stream'", tokens)
-    if budget is None:
-        return Tier(
-            False, "no device budget (on the CPU, SlideFormerStrategy(device_memory_gib=...) gives one)", tokens
-        )
-    if tokens is None:
-        return Tier(False, "the tokens per batch are unknown (SlideFormerStrategy(tokens_per_batch=...))")
-    params = list(dict.fromkeys(module.parameters()))
-    copies = dtype.itemsize if dtype != torch.float32 else 0
-    fixed = plain_training_bytes(params, optimizer, copies_itemsize=copies, stored=run.stored).total + DEVICE_RESERVE
-    blocks = [m for _, m in layout.blocks]
-    head = _head(module, layout)
-    per_token = plain_activation_bytes(blocks, dtype.itemsize, head.out_features if logits_built and head else 0)
-    fixed += _loss_bytes(layout, tokens, logits_built)
-    need = fixed + int(tokens * per_token)
-    room = usable_device_bytes(budget) - fixed
-    if need > usable_device_bytes(budget):
-        reason = f"plain training would need {need / GIB:.2f} GiB of the {budget / GIB:.2f} GiB budget"
-        return Tier(False, reason, tokens)
-    most = int(room // per_token) if per_token else None
-    return Tier(True, f"{need / GIB:.2f} GiB of the {budget / GIB:.2f} GiB budget", tokens, need, most)
-
-
-def _loss_bytes(layout: Layout, tokens: int | None, logits_built: bool) -> int:
-    # the installed logits-free loss's workspace (the model's own loss: its logits count as activations)
-    if logits_built or not tokens or layout.head is None:
-        return 0
-    head = layout.head[1]
-    return fused_loss_bytes(tokens, head.out_features, head.in_features)
-
-
-def _head(module: nn.Module, layout: Layout) -> nn.Linear | None:
-    # the output head: the widest Linear outside the blocks
-    inside = {m for _, b in layout.blocks for m in b.modules()}
-    heads = [m for m in module.modules() if isinstance(m, nn.Linear) and m not in inside]
-    return max(heads, key=lambda m: m.out_features, default=None)
-
-
-def tokens_ahead(trainer: Any, given: int | None) -> int | None:
-    """Tokens per batch for the plan: ``given``, else the datamodule's ``tokens_per_batch``, else the largest integer
-    tensor of the first batch, fetched ahead with Python's and torch's random state put back (the run then draws the
-    same batches). ``None`` when there is no batch to look at."""
-    if given is not None:
-        return given
-    if (declared := getattr(trainer.datamodule, "tokens_per_batch", None)) is not None:
-        return int(declared)
-    loops = {TrainerFn.FITTING: trainer.fit_loop, TrainerFn.VALIDATING: trainer.validate_loop,
-             TrainerFn.TESTING: trainer.test_loop, TrainerFn.PREDICTING: trainer.predict_loop}  # fmt: skip
-    source = loops[trainer.state.fn]._data_source
-    if not source.is_defined():
-        return None
-    python_state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        loader = source.dataloader()
-        loader = loader[0] if isinstance(loader, (list, tuple)) and loader else loader
-        try:
-            batch = next(iter(loader))
-        except (StopIteration, TypeError):
-            batch = None
-    random.setstate(python_state)
-    return _tokens(batch) or None
-
-
-def check_batch_tokens(batch: Any, most: int) -> None:
-    """Refuse a training batch with more tokens than the plan fits (``most``), before it runs out of memory."""
-    if (tokens := _tokens(batch)) > most:
-        raise ValueError(
-            f"This batch has {tokens} tokens, but the placement plan fits at most {most} per batch on the device."
-            " Lower the batch size or sequence length (accumulate_grad_batches keeps the tokens per optimizer step),"
-            " or give SlideFormerStrategy(tokens_per_batch=...) the largest batch so that the plan counts it."
-        )
-
-
-def _tokens(batch: Any) -> int:
-    # the largest integer tensor of a batch (its token ids)
-    return max((t.numel() for t in _tensors(batch) if not t.is_floating_point() and t.dim() >= 1), default=0)
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        return [t for item in batch for t in _tensors(item)]
-    return []

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
+from torch.optim import Optimizer
 from typing_extensions import override
+
+from .engine.shared_host import is_placeholder, placeholder
+from .models import Layout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from .engine import SlideEngine
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_PRECISION = ("bf16-mixed", "32-true")
 
@@ -68,6 +77,17 @@ class SlideFormerPrecision(Precision):
             " fp16 needs loss scaling that the CPU optimizer does not do, and 'bf16-true' would drop the fp32"
             " master weights; use 'bf16-mixed'."
         )
+
+    def storage(
+        self, layout: Layout, optimizer: Optimizer | None, *, frozen_in_compute_dtype: bool, half_weights: str
+    ) -> Storage:
+        """What changes dtype on the host before training (the strategy's ``frozen_in_compute_dtype`` and
+        ``half_weights``): the frozen matrices of the blocks and the head to the compute dtype, and the trained
+        parameters loaded in a half dtype (to fp32 masters with ``"fp32_masters"``)."""
+        dtype = self.compute_dtype
+        frozen = _frozen_to_store(layout) if frozen_in_compute_dtype and dtype != torch.float32 else []
+        half = _half_trained(optimizer) if optimizer is not None else []
+        return Storage(dtype, frozen, half, half if half_weights == "fp32_masters" else [])
 
     @override
     @contextmanager
@@ -127,3 +147,64 @@ class SlideFormerPrecision(Precision):
             return
         algorithm = "value" if gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "norm"
         self.engine.step.clip(clip_val, algorithm)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """The dtypes parameters are stored in on the host for training, where they change
+    (``SlideFormerPrecision.storage``).
+
+    Args:
+        dtype: the compute dtype.
+        frozen: frozen matrices to be stored in it.
+        half: trained parameters loaded in a half dtype.
+        widen: those of them stepped as fp32 masters (``half_weights="fp32_masters"``; the rest keep their dtype).
+    """
+
+    dtype: torch.dtype
+    frozen: list[nn.Parameter]
+    half: list[nn.Parameter]
+    widen: list[nn.Parameter]
+
+    @property
+    def sizes(self) -> dict[nn.Parameter, int]:
+        """The element sizes the plan counts for the parameters that change."""
+        return {**dict.fromkeys(self.frozen, self.dtype.itemsize), **dict.fromkeys(self.widen, 4)}
+
+    def convert(self, *, skip: set[nn.Parameter] = frozenset()) -> None:
+        """Store the parameters as counted, but ``skip`` (fp32 masters the engine puts straight on disk)."""
+        for p in self.frozen:
+            p.data = _converted(p.data, self.dtype)
+        if self.half and not self.widen:
+            log.info("SlideFormer steps the %d parameters loaded in %s in that dtype, as plain Lightning does"
+                     " (half_weights='keep').", len(self.half), self.half[0].dtype)  # fmt: skip
+        if self.widen:
+            log.info(
+                "SlideFormer trains the %d parameters loaded in %s with fp32 master weights made from them (%.2f GiB"
+                " more RAM; they stay fp32 after training): the optimizer steps in fp32, and the GPU computes with"
+                " bf16 copies under bf16-mixed; half_weights='keep' steps the bf16 values as plain Lightning does.",
+                len(self.widen), self.widen[0].dtype, sum(p.numel() for p in self.widen) * 2 / 2**30,
+            )  # fmt: skip
+        for p in self.widen:
+            if p not in skip:
+                p.data = _converted(p.data, torch.float32)
+
+
+def _converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # a placeholder (a node's process holding no weights) stays one, in the new dtype
+    return placeholder(tensor.shape, dtype) if is_placeholder(tensor) else tensor.to(dtype)
+
+
+def _half_trained(optimizer: Optimizer) -> list[nn.Parameter]:
+    # the trained parameters loaded in a half dtype (a model loaded in bf16)
+    params = dict.fromkeys(p for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
+    return [p for p in params if p.is_floating_point() and p.dtype != torch.float32]
+
+
+def _frozen_to_store(layout: Layout) -> list[nn.Parameter]:
+    # frozen fp32 matrices of the blocks and the head, to be kept in the compute dtype on the host; the embedding
+    # (streamed by fp32 rows) and anything tied to it keep fp32
+    keep = set(layout.embedding[1].parameters()) if layout.embedding is not None else set()
+    modules = [m for _, m in layout.blocks] + ([layout.head[1]] if layout.head is not None else [])
+    params = dict.fromkeys(p for m in modules for p in m.parameters())
+    return [p for p in params if not p.requires_grad and p.dim() >= 2 and p.dtype == torch.float32 and p not in keep]

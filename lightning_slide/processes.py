@@ -24,7 +24,11 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
 from typing_extensions import override
+
+from .engine.shared_host import SharedHost, drop_weights
+from .engine.world import DataParallel
 
 
 class Processes(ParallelStrategy):
@@ -41,6 +45,8 @@ class Processes(ParallelStrategy):
         self._parallel_devices: list[torch.device] = []
         self._num_nodes = 1
         self.timeout = timeout
+        self._world: DataParallel | None = None  # the processes of a data-parallel run, from setup
+        self._shared: SharedHost | None = None  # the memory a node's processes share, from setup
         super().__init__(**kwargs)
 
     @property
@@ -105,6 +111,43 @@ class Processes(ParallelStrategy):
             _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout, device_id=device_id)
         if self.is_distributed:  # on the CPU, whatever the backend: the batch counts' check syncs no device
             self._batch_group = dist.new_group(backend="gloo", timeout=self.timeout)
+
+    @property
+    def loads_weights(self) -> bool:
+        """Whether this process needs the model's weights: ``False`` on a node's processes but its first, which take
+        the first one's at setup (what they load is dropped). Their ``configure_model`` may build the model on the
+        meta device instead of loading it (``CausalLMModule`` does), so a node loads the model once."""
+        return self.num_processes == 1 or self.local_rank == 0
+
+    def join(self, module: nn.Module) -> None:
+        """At setup, with several processes: their gradients' averaging, the memory a node's processes share, and
+        every process starting from the first one's weights, as under DDP: a node's first processes receive them, the
+        others hold none (freed on every process before any reads the RAM left) and take their node's first's."""
+        if not self.is_distributed:
+            return
+        self._world = DataParallel(self.num_processes, self.root_device, timeout=self.timeout)
+        if self.num_processes > 1:  # the node's processes hold the state once (on NVMe, each its rows)
+            self._shared = SharedHost(self.local_rank, self.num_processes, timeout=self.timeout)
+        built_on_meta = all(p.is_meta for p in module.parameters())
+        if not self.loads_weights:
+            drop_weights(module)
+        broadcast_tensors(list(module.buffers()), self.root_device)
+        if self.loads_weights and self.num_nodes > 1:
+            broadcast_tensors(list(module.parameters()), self.root_device, self._world.across_nodes)
+        if self._shared is not None:
+            # one that built the model on the meta device drew no initial values: it takes the random state the first
+            # one has after drawing them, as a DDP process would have (its dropout masks, as under DDP)
+            state = torch.get_rng_state()
+            self._shared.from_first([state])
+            if built_on_meta:
+                torch.set_rng_state(state)
+            self._shared.main_barrier()
+
+    def from_first(self, params: list[nn.Parameter]) -> None:
+        """A node's processes but its first: the first one's values of ``params`` (those they do not map from shared
+        memory)."""
+        if self._shared is not None:
+            self._shared.from_first(params)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -22,35 +22,23 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from .attention import use_slide_attention
 from .checkpoint_io import SlideCheckpointIO
 from .device_draws import DrawOnDevice
 from .engine import EngineConfig, SlideEngine
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
-from .engine.nvme import sweep_stale_state
-from .engine.shared_host import SharedHost, drop_weights, is_placeholder, placeholder
-from .engine.world import DataParallel
-from .fused import use_fused_ops
-from .loss import causal_lm_loss
-from .models import Layout, disable_hf_cache, disable_hf_checkpointing, find_layout, install_causal_lm_loss
-from .placement import (
-    PLACEMENTS,
-    SCHEDULES,
-    EngineOptions,
-    Machine,
-    Plan,
-    Run,
-    Tier,
-    check_batch_tokens,
-    frozen_to_store,
-    half_trained,
-    make_plan,
-    resolve_schedule,
-    tokens_ahead,
-)
-from .precision import SlideFormerPrecision
-from .processes import Processes, broadcast_tensors
+from .engine.shared_host import SharedHost
+from .engine.state_dirs import sweep_stale_state
+from .model_switches import install_loss, switch_model
+from .models import Layout, find_layout
+from .oom import explain_oom
+from .options import EngineOptions, check_options
+from .placement import Machine, Plan, Run, make_plan
+from .precision import SlideFormerPrecision, Storage
+from .processes import Processes
 from .rates import Rates
+from .schedule import resolve_schedule
+from .tier import Tier
+from .tokens import check_batch_tokens, tokens_ahead
 
 log = logging.getLogger(__name__)
 
@@ -63,73 +51,34 @@ class SlideFormerStrategy(Processes):
     keeps computing. Training gives the same parameters as plain Lightning training of the same module with the
     same torch optimizer — including gradient accumulation, global-norm clipping and tied embeddings.
 
-    Args:
-        num_slots: block slots in the GPU window (>= 2). More slots copy further ahead, at the cost of memory.
-            ``"auto"``: 3, or 2 when a window of 3 would take more than a quarter of the GPU memory left.
-        blocks: attribute path (from the LightningModule) of the ``nn.ModuleList`` of blocks, e.g.
-            ``"model.model.layers"``; ``None`` finds it.
-        update_schedule: ``"backward"`` updates each block while the backward pass continues (not compatible
-            with clipping by norm); ``"forward"`` updates after backward, in forward order, overlapping the
-            next forward pass (needed for exact global-norm clipping; the step's gradients wait in host
-            memory); ``"norm-first"`` clips by norm without keeping them: a first backward pass only finds the
-            global norm, a second one streams the clipped updates as ``"backward"`` does (one more backward pass
-            of GPU work; Trainer(gradient_clip_val=...) by norm, no accumulation). ``"auto"`` picks ``"forward"``
-            when gradient clipping is configured (keeping the bf16 gradients in bf16 when fp32 ones would not fit
-            in RAM), ``"norm-first"`` instead when even those would not fit, and ``"backward"`` otherwise.
-        install_loss: on Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3), compute ``labels=`` losses from
-            the hidden states without building the full logits.
-        on_nonfinite: ``"raise"`` stops training at a NaN/Inf gradient; ``"skip"`` (clipping by norm only)
-            skips that optimizer step.
-        cpu_threads: threads of the CPU optimizer; ``None``: all cores but one on CUDA (the other feeds the GPU),
-            shared by a node's processes, torch's default on the CPU.
-        frozen_in_compute_dtype: under bf16-mixed, keep the frozen weight matrices of the blocks and the head (a
-            LoRA base) in bf16 on the host: half the memory, and exactly the values bf16 compute reads. The
-            module's frozen weights stay bf16 after training; ``False`` keeps them fp32.
-        half_weights: trained parameters loaded in bf16 or fp16 (``torch_dtype=torch.bfloat16``):
-            ``"fp32_masters"`` steps fp32 master weights made from them (4 bytes per parameter more on the host; they
-            stay fp32 after training); ``"keep"`` steps them in their own dtype, as plain Lightning does (with RAM
-            for the optimizer state only, not with ``optimizer_offload="nvme"``).
-        offload_activations: keep the inputs each block saves for its recompute in pooled host memory instead of
-            on the GPU, fetched back one block ahead of the backward pass (long contexts). ``True``: every block's;
-            ``"auto"``: on CUDA, those of as few of the first blocks as let the rest and one block at work fit the
-            GPU; never on the CPU. When one block at work alone would not fit, its MLP also runs on slices of the
-            tokens (``engine/tiling.py``). Decided at the first training step, logged.
-        optimizer_offload: where Adam's moments live between updates: ``"cpu"`` (RAM) or ``"nvme"`` (files under
-            ``nvme_path``, read block by block of rows before each update and written after it; 8 bytes per trainable
-            parameter less RAM; a node's processes each keep their rows' in files of their own); ``"auto"``: in RAM,
-            unless they would not fit there and ``nvme_path`` is given (decided from the host plan before anything is
-            pinned, logged).
-        nvme_path: an existing, writable directory on a fast disk for the NVMe tier; ``None``: the
-            ``SLIDE_NVME_PATH`` environment variable.
-        nvme_masters: with ``optimizer_offload="nvme"`` under bf16-mixed, keep the fp32 masters of the blocks'
-            weight matrices on disk too, beside their Adam state; RAM then holds their bf16 copies (2 bytes per
-            parameter instead of 4), refreshed by each update. Checkpoints hold the fp32 masters; when training
-            ends they come back into the parameters if RAM allows (else a warning says the parameters keep the bf16
-            copies). A model loaded in bf16 gets exact fp32 masters of its values.
-        attention: on Hugging Face models, ``"auto"`` switches to the project's flash attention
-            (``attn_implementation="slide"``) when training in bf16 on CUDA and the kernel covers the model,
-            ``"slide"`` requires it, ``"slide_kernel"`` requires it and sends dense batches to the kernel too
-            (``"slide"`` gives those to PyTorch's cuDNN attention where it runs them), ``None`` keeps the model's own.
-            Restored when training ends.
-        fused_ops: run Hugging Face's Llama-style RMSNorm modules and rotary embedding on the project's fused
-            kernels (one pass each way, the same formula; a model whose code differs keeps it): ``"auto"`` on CUDA,
-            ``True`` everywhere (off CUDA the kernels need ``TRITON_INTERPRET=1``, else the same formulas run in
-            torch), ``False`` keeps the model's own code. Restored when training ends.
-        placement: ``"auto"`` trains the whole model on the GPU as plain Lightning does (nothing streams, torch's
-            optimizer steps there) when parameters, gradients, optimizer state and activations fit the GPU memory the
-            process may use; otherwise it streams the blocks and keeps on the GPU what fits the memory the window and
-            activations leave: the modules outside the blocks (the embedding, the final norm, the head), then the
-            first blocks (recomputed in backward), stepped there by the optimizer. ``"stream"`` streams everything.
-            Decided at setup, logged as one table.
-        device_memory_gib: the device memory the plan may use (within what the GPU has free); on the CPU, a budget
-            that lets ``placement="auto"`` place the model there (tests). ``None``: the GPU's free memory.
-        tokens_per_batch: tokens per micro-batch for the plan; ``None``: the datamodule's ``tokens_per_batch``, else
-            those of the first batch, fetched ahead (the run still draws the same batches).
-        engine: the engine's mechanism knobs (:class:`~lightning_slide.engine.EngineConfig`): transfer chunks,
-            landing buffers, the embedding's update variants, bf16 retained gradients.
-        timeout: several processes: how long a collective waits for one that stopped answering (hung, or stuck
-            in a slow data loader) before every process stops with an error; torch's default, 30 minutes, as
-            ``DDPStrategy(timeout=...)``. A process that dies stops the others at once.
+    Args (each in full, with its trade-off: ``docs/options.md``):
+        num_slots: block slots in the GPU window (>= 2); ``"auto"``: 3, or 2 where 3 would crowd the GPU.
+        blocks: attribute path of the ``nn.ModuleList`` of blocks, e.g. ``"model.model.layers"``; ``None`` finds it.
+        update_schedule: ``"backward"`` updates each block while the backward goes on (no clipping by norm);
+            ``"forward"`` after the backward, in forward order, during the next forward (exact clipping; the step's
+            gradients wait in RAM); ``"norm-first"`` clips by norm with a second backward instead of that RAM;
+            ``"auto"``: ``"forward"`` when clipping (``"norm-first"`` where RAM is short), else ``"backward"``.
+        install_loss: on Hugging Face causal LMs, ``labels=`` losses from the hidden states, without full logits.
+        on_nonfinite: ``"raise"`` stops at a NaN/Inf gradient; ``"skip"`` (clipping by norm) skips that step.
+        cpu_threads: threads of the CPU optimizer; ``None``: all cores but one on CUDA, torch's default on the CPU.
+        frozen_in_compute_dtype: under bf16-mixed, the frozen matrices (a LoRA base) stored in bf16 on the host.
+        half_weights: trained parameters loaded in bf16/fp16: ``"fp32_masters"`` steps fp32 masters made from them;
+            ``"keep"`` steps them in their own dtype, as plain Lightning does.
+        offload_activations: block inputs in pinned RAM between forward and backward: ``True`` every block's,
+            ``"auto"`` on CUDA as few as let the rest fit (MLPs tiled where one block at work would not).
+        optimizer_offload: Adam's moments in RAM (``"cpu"``) or in files under ``nvme_path`` (``"nvme"``);
+            ``"auto"``: RAM unless it is short and ``nvme_path`` is given.
+        nvme_path: an existing, writable directory on a fast disk; ``None``: ``$SLIDE_NVME_PATH``.
+        nvme_masters: with ``"nvme"`` under bf16-mixed, the blocks' fp32 masters on disk too (bf16 copies in RAM).
+        attention: Hugging Face models: ``"auto"``: the project's attention in bf16 on CUDA where it covers the
+            model; ``"slide"`` requires it; ``"slide_kernel"`` also for dense batches; ``None`` keeps the model's.
+        fused_ops: Llama-style RMSNorm and rotary on the fused kernels: ``"auto"`` on CUDA, ``True``, ``False``.
+        placement: ``"auto"``: the whole model on the GPU where it fits, else streamed with what fits kept there;
+            ``"stream"`` streams everything.
+        device_memory_gib: the device memory the plan may use; ``None``: the GPU's free memory.
+        tokens_per_batch: tokens per micro-batch for the plan; ``None``: the data module's, else the first batch's.
+        engine: the mechanism's knobs (:class:`~lightning_slide.engine.EngineConfig`).
+        timeout: several processes: how long a collective waits for one that stopped answering (30 minutes).
     """
 
     strategy_name = "slideformer"
@@ -160,40 +109,13 @@ class SlideFormerStrategy(Processes):
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if num_slots != "auto" and (not isinstance(num_slots, int) or num_slots < 2):
-            raise ValueError(f"num_slots must be an int >= 2 or 'auto'; got {num_slots!r}.")
-        if update_schedule not in SCHEDULES:
-            raise ValueError(f"update_schedule must be one of {SCHEDULES}; got {update_schedule!r}.")
-        if on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
-        if cpu_threads is not None and (not isinstance(cpu_threads, int) or cpu_threads < 1):
-            raise ValueError(f"cpu_threads must be a positive int or None; got {cpu_threads!r}.")
-        if attention not in ("auto", "slide", "slide_kernel", None):
-            raise ValueError(f"attention must be 'auto', 'slide', 'slide_kernel' or None; got {attention!r}.")
-        if fused_ops not in (True, False, "auto"):
-            raise ValueError(f"fused_ops must be True, False or 'auto'; got {fused_ops!r}.")
-        if engine is not None and not isinstance(engine, EngineConfig):
-            raise TypeError(f"engine must be a lightning_slide.engine.EngineConfig; got {type(engine).__name__}.")
-        if offload_activations not in (True, False, "auto"):
-            raise ValueError(f"offload_activations must be True, False or 'auto'; got {offload_activations!r}.")
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {PLACEMENTS}; got {placement!r}.")
-        if device_memory_gib is not None and (isinstance(device_memory_gib, bool) or not device_memory_gib > 0):
-            raise ValueError(f"device_memory_gib must be a number > 0 or None; got {device_memory_gib!r}.")
-        if tokens_per_batch is not None and (not isinstance(tokens_per_batch, int) or tokens_per_batch < 1):
-            raise ValueError(f"tokens_per_batch must be a positive int or None; got {tokens_per_batch!r}.")
-        if half_weights not in ("fp32_masters", "keep"):
-            raise ValueError(f"half_weights must be 'fp32_masters' or 'keep'; got {half_weights!r}.")
-        if optimizer_offload not in ("auto", "cpu", "nvme"):
-            raise ValueError(f"optimizer_offload must be 'auto', 'cpu' or 'nvme'; got {optimizer_offload!r}.")
-        if nvme_masters and optimizer_offload != "nvme":
-            raise ValueError(
-                "nvme_masters=True keeps the masters beside Adam's state on disk: set optimizer_offload='nvme' (and"
-                f" nvme_path); got optimizer_offload={optimizer_offload!r}."
-            )
-        nvme_path = nvme_path or os.environ.get("SLIDE_NVME_PATH")
-        if optimizer_offload == "nvme" or (optimizer_offload == "auto" and nvme_path):
-            nvme_path = _check_nvme_path(nvme_path)
+        nvme_path = check_options(
+            num_slots=num_slots, update_schedule=update_schedule, on_nonfinite=on_nonfinite, cpu_threads=cpu_threads,
+            attention=attention, fused_ops=fused_ops, engine=engine, offload_activations=offload_activations,
+            placement=placement, device_memory_gib=device_memory_gib, tokens_per_batch=tokens_per_batch,
+            half_weights=half_weights, optimizer_offload=optimizer_offload, nvme_masters=nvme_masters,
+            nvme_path=nvme_path,
+        )  # fmt: skip
         super().__init__(
             timeout=timeout,
             accelerator=accelerator,
@@ -208,7 +130,7 @@ class SlideFormerStrategy(Processes):
         self.half_weights = half_weights
         self.offload_activations = offload_activations
         self.optimizer_offload = optimizer_offload
-        self.nvme_path = nvme_path if optimizer_offload != "cpu" else None
+        self.nvme_path = nvme_path
         self.nvme_masters = nvme_masters
         self._loaded_masters: dict[nn.Parameter, torch.Tensor] = {}  # fp32 masters from a checkpoint, until setup
         self._unsaved: str | None = None  # after a fault: why the state may not be saved ("": it may)
@@ -224,8 +146,6 @@ class SlideFormerStrategy(Processes):
         self.engine_config = engine or EngineConfig()
         self.engine: SlideEngine | None = None
         self._restores: list = []  # undo what setup changed on the user's model, at teardown
-        self._world: DataParallel | None = None  # the processes of a data-parallel run, from setup
-        self._shared: SharedHost | None = None  # the memory a node's processes share, from setup
         self._stepping = False  # within the optimizer step (the last accumulated micro-batch's backward)
 
     # ---- device and precision ----------------------------------------------------------------------------------
@@ -264,11 +184,7 @@ class SlideFormerStrategy(Processes):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.is_distributed:
-            self._world = DataParallel(self.num_processes, self.root_device, timeout=self.timeout)
-            if self.num_processes > 1:  # the node's processes hold the state once (on NVMe, each its rows)
-                self._shared = SharedHost(self.local_rank, self.num_processes, timeout=self.timeout)
-            self._start_alike(module)
+        self.join(module)
         optimizer = None
         if fitting:
             if not module.automatic_optimization:
@@ -281,72 +197,37 @@ class SlideFormerStrategy(Processes):
             self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
             optimizer = self.optimizers[0]
         layout = find_layout(module, self.blocks)
-        self._restores.append(disable_hf_checkpointing(module))
-        if fitting and layout.pretrained is not None:
-            self._restores.append(disable_hf_cache(layout.pretrained))
         cuda = self.root_device.type == "cuda"
         dtype = self.precision_plugin.compute_dtype
-        low_precision = dtype != torch.float32  # the kernel's Triton path is bf16/fp16
-        if layout.pretrained is not None and (
-            self.attention in ("slide", "slide_kernel") or (self.attention == "auto" and cuda and low_precision)
-        ):
-            required = self.attention != "auto"
-            name = self.attention if required else "slide"
-            restore = use_slide_attention(layout.pretrained, required=required, name=name)
-            if restore is not None:
-                self._restores.append(restore)
-        if self.fused_ops is True or (self.fused_ops == "auto" and cuda):
-            restore = use_fused_ops(module)
-            if restore is not None:
-                self._restores.append(restore)
-        budget = device_budget(self.root_device)
-        if self.device_memory_gib is not None:
-            budget = min(budget or 1 << 62, int(self.device_memory_gib * 2**30))
-        tokens = tokens_ahead(trainer, self.tokens_per_batch) if budget else None
+        self._restores += switch_model(module, layout, attention=self.attention, fused_ops=self.fused_ops, cuda=cuda,
+                                       dtype=dtype, fitting=fitting)  # fmt: skip
         # NOTE: the GPU's memory, and the plan with it, depend less on how the allocator splits its segments.
         if cuda and "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             settings = getattr(torch._C, "_accelerator_setAllocatorSettings", torch.cuda.memory._set_allocator_settings)
             settings("expandable_segments:True")
         # NOTE: the plugin was made before the accelerator was known (a CPU run on a CUDA machine said "cuda").
         self.precision_plugin.device = self.root_device.type
-        disk_free, disk_held = None, 0
-        if self.nvme_path:  # what killed runs left there goes first
-            _, disk_held = sweep_stale_state(self.nvme_path)
-            disk_free = shutil.disk_usage(self.nvme_path).free
-        # a node's processes plan at once, each on its share of the node's RAM and disk
-        share = self.num_processes
-        disk_free = disk_free // share if disk_free is not None else None
-        machine = Machine(budget, available_host_bytes() // share, locked_memory_limit() if cuda else None, disk_free,
-                          disk_held)  # fmt: skip
+        machine = self._machine()
+        tokens = tokens_ahead(trainer, self.tokens_per_batch) if machine.device else None
         self.plan = self.plan_run(trainer, module, layout, optimizer, self.root_device, tokens, machine)
-        frozen, half, widen, _ = self._storage(layout, optimizer)
+        storage = self._storage(layout, optimizer)
         self.tier = self.plan.tier
         log.info("SlideFormer's placement plan:\n%s", self.plan.table())
         if self.tier.resident:
-            self._convert(frozen, widen, half, dtype)
-            self._from_first(list(module.parameters()))
+            storage.convert()
+            self.from_first(list(module.parameters()))
             self._setup_resident(module, layout, dtype, fitting)
             return
         self.engine = self.plan.engine
-        if self.engine.nvme_path is not None and not isinstance(self.checkpoint_io, SlideCheckpointIO):
-            raise ValueError(
-                f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
-                f" SlideCheckpointIO; got checkpoint_io={type(self.checkpoint_io).__name__}. Leave checkpoint_io unset"
-                " (or subclass SlideCheckpointIO)."
-            )
-        if half and not widen and self.engine.nvme_path is not None:
-            raise ValueError(
-                f"half_weights='keep' steps {len(half)} parameters in {half[0].dtype}, but the NVMe tier keeps fp32"
-                " optimizer state. Use half_weights='fp32_masters' (the default) or optimizer_offload='cpu'."
-            )
+        self._check_engine(storage)
         self.precision_plugin.engine = self.engine
         log.info("SlideFormer streams the model (%s); %s", self.tier.reason, self.plan.host.describe())
         if self.plan.error is not None:
             raise self.plan.error
-        disk = set(self.engine.disk_masters)  # their exact fp32 masters go straight to disk at setup
-        self._convert(frozen, [p for p in widen if p not in disk], half, dtype)  # after every check, before pinning
+        storage.convert(skip=set(self.engine.disk_masters))  # after every check, before pinning (their exact fp32
+        # masters go straight to disk at setup)
         mapped = self.engine.mapped_params()
-        self._from_first([p for p in module.parameters() if p not in mapped])
+        self.from_first([p for p in module.parameters() if p not in mapped])
         if cuda and dtype == torch.float32:
             log.info(
                 "SlideFormer computes in fp32 (precision='32-true', Lightning's default): Trainer(precision="
@@ -361,49 +242,37 @@ class SlideFormerStrategy(Processes):
         if fitting:
             self.setup_precision_plugin()
 
-    @property
-    def loads_weights(self) -> bool:
-        """Whether this process needs the model's weights: ``False`` on a node's processes but its first, which take
-        the first one's at setup (what they load is dropped). Their ``configure_model`` may build the model on the
-        meta device instead of loading it (``CausalLMModule`` does), so a node loads the model once."""
-        return self.num_processes == 1 or self.local_rank == 0
+    def _machine(self) -> Machine:
+        # this process's figures: the device budget, and its share of the node's RAM and NVMe disk (a node's processes
+        # plan at once); what killed runs left at nvme_path goes first
+        budget = device_budget(self.root_device)
+        if self.device_memory_gib is not None:
+            budget = min(budget or 1 << 62, int(self.device_memory_gib * 2**30))
+        disk_free, disk_held = None, 0
+        if self.nvme_path:
+            _, disk_held = sweep_stale_state(self.nvme_path)
+            disk_free = shutil.disk_usage(self.nvme_path).free // self.num_processes
+        memlock = locked_memory_limit() if self.root_device.type == "cuda" else None
+        return Machine(budget, available_host_bytes() // self.num_processes, memlock, disk_free, disk_held)
 
-    def _start_alike(self, module: Any) -> None:
-        # every process starts from the first one's weights, as under DDP: a node's first processes receive them, the
-        # others hold none (freed on every process before any reads the RAM left) and take their node's first's
-        built_on_meta = all(p.is_meta for p in module.parameters())
-        if not self.loads_weights:
-            drop_weights(module)
-        broadcast_tensors(list(module.buffers()), self.root_device)
-        if self.loads_weights and self.num_nodes > 1:
-            broadcast_tensors(list(module.parameters()), self.root_device, self._world.across_nodes)
-        if self._shared is not None:
-            # one that built the model on the meta device drew no initial values: it takes the random state the first
-            # one has after drawing them, as a DDP process would have (its dropout masks, as under DDP)
-            state = torch.get_rng_state()
-            self._shared.from_first([state])
-            if built_on_meta:
-                torch.set_rng_state(state)
-            self._shared.main_barrier()
-
-    def _from_first(self, params: list[nn.Parameter]) -> None:
-        # a node's processes but its first: the first one's values of the parameters they do not map from shared memory
-        if self._shared is not None:
-            self._shared.from_first(params)
+    def _check_engine(self, storage: Storage) -> None:
+        # what the streamed tier cannot take of the strategy's other choices
+        if self.engine.nvme_path is not None and not isinstance(self.checkpoint_io, SlideCheckpointIO):
+            raise ValueError(
+                f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
+                f" SlideCheckpointIO; got checkpoint_io={type(self.checkpoint_io).__name__}. Leave checkpoint_io unset"
+                " (or subclass SlideCheckpointIO)."
+            )
+        if storage.half and not storage.widen and self.engine.nvme_path is not None:
+            raise ValueError(
+                f"half_weights='keep' steps {len(storage.half)} parameters in {storage.half[0].dtype}, but the NVMe"
+                " tier keeps fp32 optimizer state. Use half_weights='fp32_masters' (the default) or"
+                " optimizer_offload='cpu'."
+            )
 
     def _install_loss(self, layout: Layout, dtype: torch.dtype) -> None:
-        # the logits-free loss: on the head's buffer when it streams, on its own weights when it is on the device
-        if not (self.install_loss and layout.causal_lm is not None):
-            return
-        engine, head = self.engine, layout.causal_lm.get_output_embeddings()
-        streamed = engine is not None and engine.head is not None
-
-        def loss(hidden: torch.Tensor, labels: torch.Tensor, **kw: Any) -> torch.Tensor:
-            if streamed:
-                return engine.head_loss(hidden, labels, causal_lm_loss, **kw)
-            return causal_lm_loss(hidden, head.weight.to(dtype), labels, head.bias, **kw)
-
-        self._restores.append(install_causal_lm_loss(layout.causal_lm, loss))
+        if self.install_loss and (restore := install_loss(layout, self.engine, dtype)) is not None:
+            self._restores.append(restore)
 
     def plan_run(
         self,
@@ -431,7 +300,7 @@ class SlideFormerStrategy(Processes):
             nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
             world=self._world, shared=shared or self._shared,
         )  # fmt: skip
-        stored = self._storage(layout, optimizer)[3]
+        stored = self._storage(layout, optimizer).sizes
         loss = self.install_loss and layout.causal_lm is not None
         dtype = self.precision_plugin.compute_dtype
         run = Run(module, layout, device, dtype, optimizer, schedule, trainer, options, stored)
@@ -441,32 +310,9 @@ class SlideFormerStrategy(Processes):
         # all cores but one (it feeds the GPU), shared by the processes of the node
         return max(1, torch.get_num_threads() // self.num_processes - 1)
 
-    def _storage(self, layout: Layout, optimizer: Optimizer | None) -> tuple[list, list, list, dict]:
-        # what changes dtype before training: frozen matrices to the compute dtype, trained half weights (all of
-        # them, and those widened to fp32 masters), and the element sizes the plan counts for them
-        dtype = self.precision_plugin.compute_dtype
-        frozen = frozen_to_store(layout) if self.frozen_in_compute_dtype and dtype != torch.float32 else []
-        half = half_trained(optimizer) if optimizer is not None else []
-        widen = half if self.half_weights == "fp32_masters" else []
-        return frozen, half, widen, {**dict.fromkeys(frozen, dtype.itemsize), **dict.fromkeys(widen, 4)}
-
-    def _convert(self, frozen: list[nn.Parameter], widen: list[nn.Parameter], half: list[nn.Parameter],
-                 dtype: torch.dtype) -> None:  # fmt: skip
-        # the storage the plan counted: frozen matrices in the compute dtype, fp32 masters of half trained weights
-        for p in frozen:
-            p.data = _converted(p.data, dtype)
-        if half and not widen:
-            log.info("SlideFormer steps the %d parameters loaded in %s in that dtype, as plain Lightning does"
-                     " (half_weights='keep').", len(half), half[0].dtype)  # fmt: skip
-        if widen:
-            log.info(
-                "SlideFormer trains the %d parameters loaded in %s with fp32 master weights made from them (%.2f GiB"
-                " more RAM; they stay fp32 after training): the optimizer steps in fp32, and the GPU computes with"
-                " bf16 copies under bf16-mixed; half_weights='keep' steps the bf16 values as plain Lightning does.",
-                len(widen), widen[0].dtype, sum(p.numel() for p in widen) * 2 / 2**30,
-            )  # fmt: skip
-            for p in widen:
-                p.data = _converted(p.data, torch.float32)
+    def _storage(self, layout: Layout, optimizer: Optimizer | None) -> Storage:
+        return self.precision_plugin.storage(layout, optimizer, frozen_in_compute_dtype=self.frozen_in_compute_dtype,
+                                             half_weights=self.half_weights)  # fmt: skip
 
     def _setup_resident(self, module: Any, layout: Any, dtype: torch.dtype, fitting: bool) -> None:
         # the resident tier: plain training on the device, with the logits-free loss on the head's own weights
@@ -520,14 +366,14 @@ class SlideFormerStrategy(Processes):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if args and self.tier is not None and self.tier.max_tokens is not None:
             check_batch_tokens(args[0], self.tier.max_tokens)
-        with _explain_oom(self):
+        with explain_oom(self):
             return super().training_step(*args, **kwargs)
 
     @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        with _explain_oom(self):
+        with explain_oom(self):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -543,7 +389,7 @@ class SlideFormerStrategy(Processes):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         self._stepping = True  # Lightning runs the last micro-batch's closure inside the step, the others before it
         try:
-            with _explain_oom(self):  # the "forward" schedule sends the embedding's touched rows up at the step's end
+            with explain_oom(self):  # the "forward" schedule sends the embedding's touched rows up at the step's end
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             self._stepping = False
@@ -647,53 +493,3 @@ class SlideFormerStrategy(Processes):
                 description="SlideFormer with Adam's state on NVMe (directory: $SLIDE_NVME_PATH)",
                 optimizer_offload="nvme",
             )
-
-
-def _converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # a placeholder (a node's process holding no weights) stays one, in the new dtype
-    return placeholder(tensor.shape, dtype) if is_placeholder(tensor) else tensor.to(dtype)
-
-
-def _check_nvme_path(path: str | None) -> str:
-    if path is None:
-        raise ValueError(
-            "optimizer_offload='nvme' needs a directory on a fast disk: SlideFormerStrategy(nvme_path=...) or the"
-            " SLIDE_NVME_PATH environment variable."
-        )
-    path = os.path.expanduser(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"nvme_path {path!r} does not exist; create the directory first.")
-    if not os.path.isdir(path):
-        raise NotADirectoryError(f"nvme_path {path!r} is not a directory.")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"nvme_path {path!r} is not writable by this user.")
-    return path
-
-
-_OOM_EXPLAINED = "SlideFormer ran out of GPU memory"
-
-
-@contextmanager
-def _explain_oom(strategy: SlideFormerStrategy) -> Generator[None, None, None]:
-    try:
-        yield
-    except torch.OutOfMemoryError as err:
-        if _OOM_EXPLAINED in str(err):  # by an inner call (the training step runs inside the optimizer step)
-            raise
-        engine = strategy.engine
-        if engine is None and strategy.tier is not None and strategy.tier.resident:
-            raise torch.OutOfMemoryError(
-                f"{err}\n{_OOM_EXPLAINED}. The plan put the whole model on the GPU ({strategy.tier.reason}), and this"
-                " step needed more. SlideFormerStrategy(placement='stream') streams it, or lower the tokens per step"
-                " (batch size or sequence length, and use accumulate_grad_batches instead)."
-            ) from err
-        window = engine.device_bytes() / 2**30 if engine else float("nan")
-        offload = "" if engine and engine.offloading else " SlideFormerStrategy(offload_activations=True),"
-        slots = engine.num_slots if engine else strategy.num_slots
-        raise torch.OutOfMemoryError(
-            f"{err}\n{_OOM_EXPLAINED}. Its window of {slots} block slots, the head and"
-            f" staging take {window:.2f} GiB; the rest is activations. Lower the tokens per step (batch size or"
-            f" sequence length, and use accumulate_grad_batches instead),{offload} or SlideFormerStrategy(num_slots=2)."
-            " If much memory is 'reserved but unallocated' above, set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-            " before starting Python."
-        ) from err

@@ -41,7 +41,7 @@ class _Probe(L.Callback):
     def on_train_batch_end(self, trainer, *args):
         engine = trainer.strategy.engine
         self.ring_ptrs.append(tuple(t.data_ptr() for buf in engine.window.ring for t in buf.flat.values()))
-        self.uploads.append(engine.stats.uploads)
+        self.uploads.append(engine.window.stats.uploads)
 
 
 def test_window_slots_are_preallocated_and_reused():
@@ -482,7 +482,7 @@ def test_tiled_mlps_give_the_same_training(monkeypatch, precision):
     class Look(L.Callback):
         def on_train_end(self, trainer, module):
             engine = trainer.strategy.engine
-            tiled.append((engine.tiling, len(engine._tiled), engine.offloading))
+            tiled.append((engine.offload.tiling, len(engine.offload.tiled), engine.offload.blocks))
 
     module = CausalLM(tiny_config("llama", layers=3))
     ref, _ = fit(module, "auto")

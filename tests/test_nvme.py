@@ -2,7 +2,6 @@
 
 import os
 import re
-import tempfile
 
 import lightning as L
 import pytest
@@ -577,24 +576,23 @@ def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_cou
     import sys
 
     import lightning_slide.strategy as strategy_module
-    from lightning_slide.engine import nvme
+    from lightning_slide.engine import state_dirs
 
     script = KILLED_RUN.format(tests=os.path.dirname(__file__), nvme=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     left = [p.name for p in tmp_path.iterdir()]
     assert len(left) == 1  # the state the killed run held
-    assert left[0].startswith(nvme.STATE_PREFIX)
+    assert left[0].startswith(state_dirs.STATE_PREFIX)
     # another run's live state on the same disk (this process holds its owner lock)
-    live = tempfile.mkdtemp(prefix=nvme.STATE_PREFIX, dir=tmp_path)
-    owner = nvme._hold_owner_lock(live)
+    live, owner = state_dirs.make_state_dir(str(tmp_path))
     with open(os.path.join(live, "state.bin"), "wb") as f:
         f.write(b"x" * (3 << 20))
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(strategy_module.shutil, "disk_usage", lambda path: usage._replace(free=4096))
     strategy = SlideFormerStrategy(optimizer_offload="nvme", nvme_path=str(tmp_path))
     held = r"only 4\.00 KiB is free there \(3\.\d+ MiB more is held by other running"
-    with caplog.at_level("WARNING", logger="lightning_slide.engine.nvme"), pytest.raises(OSError, match=held):
+    with caplog.at_level("WARNING", logger="lightning_slide.engine.state_dirs"), pytest.raises(OSError, match=held):
         fit(CausalLM(tiny_config("llama")), strategy, steps=1)
     assert f"Removed {left[0]}" in caplog.text
     assert "left by a run that was killed (pid " in caplog.text

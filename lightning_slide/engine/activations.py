@@ -10,13 +10,15 @@ transfer side streams, ordered by events; on the CPU they are plain copies throu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .planner import WORKING_INPUTS, blocks_to_offload, tiling_needed
-from .tiling import TILES
+from .tiling import TILES, TiledMLP, gated_mlp
 from .transfer import Transfer
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,73 @@ class ActivationStash:
                 last_use.synchronize()  # its copy back to the device has finished
             return buffer
         return self.transfer.host_empty(nbytes, torch.uint8)
+
+
+class Offloading:
+    """Which blocks keep the inputs they save for their recompute in host memory (the first ``blocks``: their inputs
+    wait longest for their backward), and whether their MLPs run on slices of the tokens (``tiling``): as the plan
+    predicted at setup (``planned``), or decided at the first training forward from the inputs' size and the device
+    memory left (:func:`plan_offload`).
+
+    Args:
+        asked: ``True``: every block's inputs; ``"auto"``: as few as let the rest fit; ``False``: none.
+        num_blocks: the streamed blocks.
+    """
+
+    def __init__(self, asked: bool | Literal["auto"], num_blocks: int) -> None:
+        self.asked, self.num_blocks = asked, num_blocks
+        self.stash: ActivationStash | None = None
+        self.blocks: int | None = 0  # None: "auto", undecided
+        self.tiling: bool | None = None  # None: undecided
+        self.planned: tuple[int, int, bool] | None = None  # (saved bytes per block, blocks, tiling) from the plan
+        self.tiled: list[TiledMLP] = []
+
+    def setup(self, transfer: Transfer, modules: list[nn.Module]) -> None:
+        """The host pool, and the blocks' MLPs that can run tiled, where inputs may be offloaded."""
+        if not self.asked:
+            return
+        self.stash = ActivationStash(transfer)
+        self.blocks = None if self.asked == "auto" else self.num_blocks
+        self.tiled = [TiledMLP(mlp) for module in modules if (mlp := gated_mlp(module)) is not None]
+
+    def decide(
+        self, inputs: tuple[Tensor, ...], *, budget: int | None, reserved: int, host_room: Callable[[], int],
+        before_offload: Callable[[], None],
+    ) -> None:  # fmt: skip
+        """Decide from a block's ``inputs`` before the first block runs: as planned, if they are no larger than
+        planned; else from their size, the device ``budget`` and the ``reserved`` bytes. Where anything is offloaded,
+        ``before_offload()`` runs, and the inputs must fit ``host_room()`` bytes of RAM."""
+        saved = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
+        if self.planned is not None:
+            planned, self.blocks, self.tiling = self.planned
+            if saved > planned:
+                raise ValueError(
+                    f"A block's inputs take {saved:,} bytes, but the placement plan counted {planned:,} (its tokens"
+                    " per batch). Give SlideFormerStrategy(tokens_per_batch=...) the largest batch's tokens, or lower"
+                    " the batch size or sequence length."
+                )
+        else:
+            self.blocks, self.tiling = plan_offload(
+                saved, blocks=self.num_blocks, offloading=self.blocks, budget=budget, reserved=reserved,
+                can_tile=bool(self.tiled),
+            )  # fmt: skip
+        if self.blocks:
+            before_offload()
+            if saved * self.blocks > (available := host_room()):
+                raise MemoryError(
+                    f"SlideFormer must keep the saved inputs of {self.blocks} blocks ({saved * self.blocks / 2**30:.2f}"
+                    f" GiB) in host memory for the GPU to hold the rest, but only {available / 2**30:.2f} GiB of RAM"
+                    " is available. Lower the tokens per step (batch size or sequence length; accumulate_grad_batches"
+                    " keeps the tokens per optimizer step), or free RAM."
+                )
+        for tiled in self.tiled:
+            tiled.active = self.tiling
+
+    def restore_mlps(self) -> None:
+        """The MLPs' own forwards back."""
+        for tiled in self.tiled:
+            tiled.restore()
+        self.tiled = []
 
 
 def plan_offload(

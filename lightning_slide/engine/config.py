@@ -1,4 +1,5 @@
-"""``EngineConfig``: every knob of the engine's mechanism, with its default and why.
+"""``EngineConfig``: every knob of the engine's mechanism, with its default and why; and the check of the engine's
+choices (``check_choices``).
 
 The user's choices (window size, update schedule, offloading, NVMe) are ``SlideFormerStrategy``'s arguments; these
 fields are the mechanism underneath, for benchmarks, tests and users tuning a machine:
@@ -84,3 +85,19 @@ class EngineConfig:
         for name in ("device_row_update", "defer_touched_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig({name}=...) must be True or False; got {getattr(self, name)!r}.")
+
+
+def check_choices(*, num_slots: int, on_nonfinite: str, schedule: str, resident: bool, defer_blocks: int) -> None:
+    """Refuse a combination of the engine's choices it cannot carry out (``SlideEngine``'s arguments)."""
+    if num_slots < 2:
+        raise ValueError(f"num_slots must be at least 2 (one block computes while the next arrives); got {num_slots}.")
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(f"on_nonfinite must be 'raise' or 'skip'; got {on_nonfinite!r}.")
+    if resident and schedule == "norm-first":
+        raise ValueError("update_schedule='norm-first' streams every update; it keeps no module on the device.")
+    if defer_blocks and schedule != "backward":
+        raise ValueError(
+            f"Deferring block updates to the next forward is a variant of update_schedule='backward'; the schedule"
+            f" is {schedule!r}, whose updates wait for the step's end anyway. Leave"
+            " EngineConfig(deferred_updates=...) at 'auto' or 0."
+        )

@@ -2,7 +2,7 @@
 only those rows' gradients, and the optimizer still updates every row, in two parts where that is exact.
 
 **Rows, not the table.** A forward gathers the fp32 rows of its distinct tokens on the host and sends those
-(:meth:`EmbeddingRows.gather`); its backward sums the output gradient into them (:class:`EmbeddingRowsFunction`).
+(:meth:`EmbeddingRows.gather`); its backward sums the output gradient into them (``functions.EmbeddingRowsFunction``).
 
 **The update in two parts** (``rows.py`` holds the arithmetic; ``EngineConfig.split_embedding_update``). The rows the
 step's tokens did not touch are updated when the backward starts (the bulk, :meth:`EmbeddingRows.start`), off the
@@ -35,12 +35,12 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-from torch.autograd import Function
 
 from .config import EngineConfig
+from .functions import EmbeddingRowsFunction
 from .grads import GradSender
 from .optim import CpuOptimizer, Hypers
-from .rows import Contribution, RowCopy, Rows, RowSplit
+from .rows import Contribution, RowCopy, RowSplit
 from .transfer import Transfer
 from .units import Unit
 from .updates import StepPlan, Updates, nonfinite
@@ -475,36 +475,6 @@ class EmbeddingRows:
             split.write_back(self.optimizer, name, lo, values)
         finally:
             self.transfer.give_landing(landing)
-
-
-class EmbeddingRowsFunction(Function):
-    """An embedding lookup that moves only the rows of the tokens in the batch: forward gathers them
-    (:meth:`EmbeddingRows.gather`), backward sums the output gradient into them and sends those back."""
-
-    managed_node = True  # guard.py: a node of a streamed module
-
-    @staticmethod
-    def forward(ctx, rows: EmbeddingRows, ids: Tensor, dummy: Tensor) -> Tensor:
-        index, inverse, values = rows.gather(ids, training=True)
-        ctx.rows = rows
-        ctx.save_for_backward(index, inverse)
-        return values[inverse]  # (*ids.shape, width)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
-        index, inverse = ctx.saved_tensors
-        rows: EmbeddingRows = ctx.rows
-        width = grad.shape[-1]
-        # NOTE: the op plain nn.Embedding's backward runs, on the positions among the distinct ids: its CUDA kernel
-        # sums each row's contributions in a fixed order (index_add_ adds with atomics: runs differ in the last bits)
-        values = torch.ops.aten.embedding_dense_backward(
-            grad.reshape(-1, width).float(), inverse.reshape(-1), index.numel(), -1, False
-        )  # (U, width)
-        padding_idx = rows.unit.module.padding_idx
-        if padding_idx is not None:
-            values[index == padding_idx] = 0
-        rows.after_backward(rows.unit, {0: Rows(index, values)})
-        return None, None, None
 
 
 def _settle(future: Future, done: Future) -> None:

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
 
 from .activations import ActivationStash
 from .guard import Guard, Key, Site, extra_outputs, submodule_outputs
-from .rows import Contribution
+from .rows import Contribution, Rows
 from .units import Unit, alias, swapped
+
+if TYPE_CHECKING:
+    from .embedding import EmbeddingRows
 
 
 class UnitHost(Protocol):
@@ -41,6 +45,28 @@ class UnitHost(Protocol):
     def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool: ...
 
     def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None: ...
+
+
+# KV-cache arguments must not reach a managed block: the recompute would append to the cache a second time.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def run_block(engine: UnitHost, unit: Unit, *args, **kwargs) -> Any:
+    """:func:`run_unit` for a block, without the KV cache its caller passes (``use_cache`` off)."""
+    for key in _CACHE_KWARGS:
+        if key in kwargs:
+            kwargs[key] = None
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return run_unit(engine, unit, args, kwargs)
+
+
+def recomputed(forward, *args, **kwargs) -> Any:
+    """A block kept on the device: it saves only its inputs for the backward and recomputes the rest, as a streamed
+    one does."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def run_unit(engine: UnitHost, unit: Unit, args: tuple, kwargs: dict) -> Any:
@@ -174,3 +200,33 @@ class _UnitFunction(Function):
         weight_grads = {i: g for i, w in enumerate(weights) if w.requires_grad and (g := next(grad_iter)) is not None}
         engine.after_backward(unit, weight_grads)
         return (None, None, *input_grads)
+
+
+class EmbeddingRowsFunction(Function):
+    """An embedding lookup that moves only the rows of the tokens in the batch: forward gathers them
+    (:meth:`EmbeddingRows.gather`), backward sums the output gradient into them and sends those back."""
+
+    managed_node = True  # guard.py: a node of a streamed module
+
+    @staticmethod
+    def forward(ctx, rows: EmbeddingRows, ids: Tensor, dummy: Tensor) -> Tensor:
+        index, inverse, values = rows.gather(ids, training=True)
+        ctx.rows = rows
+        ctx.save_for_backward(index, inverse)
+        return values[inverse]  # (*ids.shape, width)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, ...]:
+        index, inverse = ctx.saved_tensors
+        rows: EmbeddingRows = ctx.rows
+        width = grad.shape[-1]
+        # NOTE: the op plain nn.Embedding's backward runs, on the positions among the distinct ids: its CUDA kernel
+        # sums each row's contributions in a fixed order (index_add_ adds with atomics: runs differ in the last bits)
+        values = torch.ops.aten.embedding_dense_backward(
+            grad.reshape(-1, width).float(), inverse.reshape(-1), index.numel(), -1, False
+        )  # (U, width)
+        padding_idx = rows.unit.module.padding_idx
+        if padding_idx is not None:
+            values[index == padding_idx] = 0
+        rows.after_backward(rows.unit, {0: Rows(index, values)})
+        return None, None, None

@@ -1,5 +1,6 @@
 """What the machine has: the RAM the process may still take, the locked-memory limit and the GPU memory left. The
-planner (``planner.py``) takes these figures as arguments; only this module reads the machine."""
+planner (``planner.py``) takes these figures as arguments; only this module reads the machine. ``size_text`` says
+how many bytes in the unit that fits."""
 
 from __future__ import annotations
 
@@ -40,3 +41,11 @@ def locked_memory_limit() -> int | None:
 def device_budget(device: torch.device) -> int | None:
     """:func:`~lightning_slide.kernels.linear_cross_entropy.device_room` on CUDA; ``None`` off CUDA."""
     return device_room(device) if device.type == "cuda" else None
+
+
+def size_text(nbytes: int) -> str:
+    """``nbytes`` in the binary unit that fits it (GiB, MiB, KiB or bytes)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.2f} {unit}"
+    return f"{nbytes} bytes"

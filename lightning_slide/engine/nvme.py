@@ -10,10 +10,8 @@ block's read waits for the write of that block submitted before it.
 With ``masters``, some parameters' fp32 values live in the same blocks under the key ``"param"``: the block's master
 is read and written with its moments, and the parameter itself holds only a compute-dtype copy (``optim.py``).
 
-Files sit in a private directory (0700) made under ``nvme_path`` that records its owner (process, host, start) in a
-file the process holds a lock on, so that the kernel drops it with the process: a run killed outright (SIGKILL, the
-OOM killer) leaves its directory behind, and the next run on the same ``nvme_path`` removes it
-(:func:`sweep_stale_state`). The files are private (0600), opened with ``O_DIRECT``
+Files sit in a private directory made under ``nvme_path`` (``state_dirs.py``: the next run there removes one that a
+killed run left). The files are private (0600), opened with ``O_DIRECT``
 where the file system allows it (page-aligned buffers, offsets and sizes), carry a CRC-32 per block that is checked
 on every read, and are removed when training ends. A block never written reads as zeros (Adam's initial state)
 without touching the disk.
@@ -31,15 +29,11 @@ same whoever wrote it and resumes on any number of processes. The checkpoint hol
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import math
 import os
 import shutil
-import socket
-import tempfile
 import threading
-import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,11 +41,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .machine import size_text
+from .state_dirs import make_state_dir
 from .transfer import aligned_empty
 
 ALIGN = 4096
-STATE_PREFIX = "lightning-slide-state-"
-OWNER_FILE = ".owner"  # inside a state directory, locked by the process that uses it
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +134,7 @@ class NvmeStateStore:
         self.keys = keys
         self.scope = {p for _, params in units for p in params}  # held here or not
         self.max_ahead_bytes = max_ahead_bytes
-        self.dir = tempfile.mkdtemp(prefix=STATE_PREFIX, dir=root)  # private: 0700
-        self._owner = _hold_owner_lock(self.dir)
+        self.dir, self._owner = make_state_dir(root)
         self.paths: list[str] = []
         self._fds: list[int] = []
         self.direct = True
@@ -460,63 +453,3 @@ def _held(param: Tensor, rows: slice | None) -> tuple[int, int]:
     if not param.dim():
         return 0, 0  # a scalar's other process holds it
     return rows.start, max(0, min(rows.stop, param.shape[0]) - rows.start)
-
-
-def _hold_owner_lock(directory: str) -> int:
-    # the owner file, locked for as long as the returned descriptor is open (the kernel closes it with the process)
-    fd = os.open(os.path.join(directory, OWNER_FILE), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, started {time.ctime()}\n".encode())
-    return fd
-
-
-def sweep_stale_state(root: str) -> tuple[int, int]:
-    """Remove the state directories under ``root`` whose process is gone (its owner lock is free, or it has none);
-    returns the bytes removed and the bytes the live ones (other runs') hold."""
-    removed = held = 0
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if not name.startswith(STATE_PREFIX) or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        size = _tree_bytes(path)
-        try:
-            fd = os.open(os.path.join(path, OWNER_FILE), os.O_RDWR)
-        except FileNotFoundError:
-            if time.time() - os.stat(path).st_mtime < 60:
-                held += size  # just made: its owner may be about to lock it
-                continue
-            fd = None  # made, but never owned: its process died at once
-        except OSError:
-            held += size  # not ours to judge (another user's)
-            continue
-        try:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    held += size  # a live run's
-                    continue
-                owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            else:
-                owner = "unknown"
-            shutil.rmtree(path, ignore_errors=True)
-            removed += size
-            log.warning("Removed %s (%s) under nvme_path, left by a run that was killed (%s).", name,
-                        size_text(size), owner)  # fmt: skip
-        finally:
-            if fd is not None:
-                os.close(fd)
-    return removed, held
-
-
-def _tree_bytes(path: str) -> int:
-    # bytes of the files under ``path`` as allocated on disk
-    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files)
-
-
-def size_text(nbytes: int) -> str:
-    """``nbytes`` in the binary unit that fits it (GiB, MiB, KiB or bytes)."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.2f} {unit}"
-    return f"{nbytes} bytes"

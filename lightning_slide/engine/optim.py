@@ -75,6 +75,24 @@ class CpuOptimizer:
         self._group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._sgd_first: dict[Tensor, bool] = {}  # SGD: does this step create the momentum buffer?
 
+    def check_params(self, managed: set[Tensor]) -> None:
+        """Refuse tensors in the optimizer that are not among the ``managed`` parameters of the model."""
+        stray = [p for g in self.optimizer.param_groups for p in g["params"] if p not in managed]
+        if stray:
+            raise ValueError(
+                f"The optimizer holds {len(stray)} tensor(s) that are not parameters of the model being trained"
+                f" (first shape {tuple(stray[0].shape)}). Give configure_optimizers only self.parameters() (or"
+                " subsets of them)."
+            )
+
+    def state_keys(self) -> tuple[str, ...]:
+        """The names of the state each parameter has (``exp_avg``, ...)."""
+        groups = self.optimizer.param_groups
+        if self.is_sgd:
+            return ("momentum_buffer",) if any(g["momentum"] for g in groups) else ()
+        amsgrad = any(g.get("amsgrad") for g in groups)
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+
     def group_index(self, param: Tensor) -> int | None:
         """The param group holding ``param``, or ``None`` when the optimizer does not update it."""
         return self._group_of.get(param)

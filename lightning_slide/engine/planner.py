@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..kernels.linear_cross_entropy import tuning
-from .nvme import page_aligned, row_numel, rows_per_block, size_text
+from .machine import size_text
+from .nvme import page_aligned, row_numel, rows_per_block
 
 GIB = 2**30
 

@@ -18,12 +18,13 @@ import datetime
 import mmap
 import os
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .nvme import size_text
+from .machine import size_text
 
 SHM = "/dev/shm"
 
@@ -91,6 +92,23 @@ class SharedHost:
             for path in paths:
                 os.unlink(path)
         return [t[:n] for t, (n, _) in zip(out, sizes)]
+
+    def hold_masters(self, owned: list[list[Tensor]], pin: Callable[..., None]) -> None:
+        """The masters in memory the node's processes share: each unit's ``owned`` parameters of one dtype in one flat
+        tensor, the first process's values (``pin(params, flat, fill=...)``, ``Transfer.pin``, moves them there)."""
+        dtypes = [dict.fromkeys(p.dtype for p in params) for params in owned]
+        groups = [[p for p in params if p.dtype == d] for params, ds in zip(owned, dtypes) for d in ds]
+        flats = self.tensors([(sum(p.numel() for p in group), group[0].dtype) for group in groups])
+        for group, flat in zip(groups, flats):
+            pin(group, flat, fill=self.rank == 0)
+        self.main_barrier()  # the first process's values are in
+
+    def hold_state(self, state: dict[tuple[Tensor, str], Tensor], params: list[Tensor], keys: tuple[str, ...]) -> None:
+        """The optimizer state of ``params`` (each of ``keys``) in memory the node's processes share, into ``state``
+        (``CpuOptimizer.shared_state``, taken when the state is created)."""
+        tensors = self.tensors([(p.numel(), p.dtype) for p in params for _ in keys])
+        for i, (p, key) in enumerate((p, key) for p in params for key in keys):
+            state[p, key] = tensors[i].view(p.shape)
 
     def from_first(self, tensors: list[Tensor]) -> None:
         """The node's first process's values of ``tensors`` into the others' (which hold none: ``drop_weights``)."""

@@ -260,7 +260,7 @@ class Step:
             raise nonfinite(self.plan, self._names.get(bad, "a parameter"))
 
     def _update_order_params(self) -> list[nn.Parameter]:
-        return [p for u in self._update_order() for p, o in zip(u.params, u.owner) if o is u]
+        return [p for u in self._update_order() for p in u.owned()]
 
     def _update_order(self) -> list[Unit]:
         order = self.window.order

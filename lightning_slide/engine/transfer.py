@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from .config import EngineConfig
+
 
 class PinnedMemoryError(RuntimeError):
     """Host memory could not be pinned."""
@@ -303,3 +305,14 @@ class _StagingRing:
     def read_until(self, chunk: Tensor, event: torch.cuda.Event | None) -> None:
         """The work reading ``chunk`` (from :meth:`take`) ends at ``event``."""
         self._read[next(i for i, c in enumerate(self._chunks) if c.data_ptr() == chunk.data_ptr())] = event
+
+
+def landing_buffer_count(config: EngineConfig, grad_numel: int, chunk_numel: int, *, nvme: bool, retained: bool) -> int:
+    """Pinned landing buffers for gradients on their way to the CPU optimizer: ``config``'s, but no more than one
+    step's ``grad_numel`` gradient elements fill (a small model would pin GiBs for nothing); fewer with the state on
+    disk (``nvme``: the disk sets the pace, and gradients waiting for it would only take RAM), and two where each
+    gradient goes straight into its ``retained`` host buffer (only a second gradient of a weight in one step lands)."""
+    most = min(config.landing_buffers, config.nvme_landing_buffers) if nvme else config.landing_buffers
+    if retained:
+        most = min(most, 2)
+    return min(most, -(-grad_numel // chunk_numel) + 1)

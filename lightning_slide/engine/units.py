@@ -70,6 +70,10 @@ class Unit:
     def owners(self) -> list[Unit]:
         return list(dict.fromkeys(self.owner))
 
+    def owned(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this unit streams and whose update it owns (a tied weight: one unit's)."""
+        return [p for p, o in zip(self.params, self.owner) if o is self]
+
     def __repr__(self) -> str:
         return f"Unit({self.name})"
 
@@ -160,18 +164,21 @@ def collect_units(
 ) -> tuple[Unit | None, list[Unit], Unit | None, list[Unit]]:
     """The units of ``model``: its embedding (fp32 rows), its blocks, its head, and every other outermost module that
     holds parameters of its own (the leftovers: the final norm, a plain model's pieces, and the ``whole`` modules),
-    each with the modules inside it, with each shared parameter owned by one of them. The ``resident`` modules stay
-    out of every unit (they live on the device).
+    each with the modules inside it, with each shared parameter owned by one of them. The ``resident`` modules and
+    what they hold stay out of every unit (they live on the device).
 
     Raises:
         BoundaryError: a leftover also holds blocks (its own parameters could not be streamed apart from them).
     """
+    kept = {m for r in resident for m in r.modules()}
+    embedding, head = (None if part is None or part[1] in kept else part for part in (embedding, head))
+    blocks, whole = ([(n, m) for n, m in parts if m not in kept] for parts in (blocks, whole))
     emb = Unit(embedding[0], embedding[1], torch.float32) if embedding else None
     stack = [Unit(name, module, compute_dtype) for name, module in blocks]
     top = Unit(head[0], head[1], compute_dtype) if head else None
     named = [u for u in (emb, *stack, top) if u is not None]
     wholes = [Unit(name, module, compute_dtype) for name, module in whole]
-    taken = {m for u in (*named, *wholes) for m in u.module.modules()} | {m for r in resident for m in r.modules()}
+    taken = {m for u in (*named, *wholes) for m in u.module.modules()} | kept
     unit_modules = {u.module: u for u in (*named, *wholes)}
     singles = []
     for name, m in model.named_modules():  # an outer module comes before the modules inside it

@@ -131,7 +131,7 @@ class Updates:
         self.shared = shared
         if not self.retain:
             return
-        owned = [[p for p, o in zip(u.params, u.owner) if o is u and p.requires_grad] for u in units]
+        owned = [[p for p in u.owned() if p.requires_grad] for u in units]
         owned = [params for params in owned if params]
         flats = shared.tensors([(sum(p.numel() for p in params), torch.float32) for params in owned])
         for params, flat in zip(owned, flats):
