@@ -1,6 +1,7 @@
 """``slide plan``: the plan of a recipe from its config alone, for a machine given by flags."""
 
 import json
+import shlex
 
 import pytest
 
@@ -189,3 +190,19 @@ def test_a_step_the_cpu_sets_the_pace_of_updates_some_blocks_during_the_next_for
     assert deferred["host_bytes"] > none["host_bytes"]  # their gradients wait on the host
     _, out = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e12"])  # the GPU sets the pace: nothing to gain
     assert json.loads(out)["deferred_blocks"] == 0
+
+
+def _printed_plans() -> list[str]:
+    # every `slide plan` line of the README's and recipes/configs' code blocks
+    lines = []
+    for doc in ("README.md", "recipes/configs/README.md"):
+        with open(doc) as f:
+            lines += [line.split("#")[0].strip() for line in f if line.startswith("slide plan ")]
+    return lines
+
+
+@pytest.mark.parametrize("line", _printed_plans())
+def test_the_documented_plans_run_as_printed(capsys, line):
+    status, out = _run(capsys, shlex.split(line)[2:])
+    assert status == 0, out
+    assert "does not fit" not in out
