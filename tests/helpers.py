@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import lightning as L
 import torch
@@ -13,6 +14,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_slide
 
 CUDA = torch.cuda.is_available()
+# a user's process: without the tests' Triton interpreter, so the loss runs its torch path on the CPU, as the tests'
+# own process does (conftest.py); a subprocess compared with this one bit for bit must take it
+USER_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 VOCAB = 101
 SEQ = 12
 

@@ -9,12 +9,9 @@ import sys
 import pytest
 import torch
 
-from helpers import max_rel_error, tiny_config
+from helpers import USER_ENV, max_rel_error, tiny_config
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data_parallel_run.py")
-# a user's CPU run: the loss in torch ops, not in Triton's interpreter (the kernels' own tests use it), whose sums
-# differ from Hugging Face's loss in DDP by more than the 1e-5 these tests allow
-USER_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def _run(strategy: str, out, *options: str) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from helpers import CausalLM, fit, max_rel_error, tiny_config
+from helpers import USER_ENV, CausalLM, fit, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy
 
 KILLED = """
@@ -64,7 +64,7 @@ def test_a_run_killed_mid_save_or_mid_step_resumes_exactly(tmp_path, tier, when)
 
     straight, _ = fit(module, strategy(), steps=12)
     script = KILLED.format(tests=os.path.dirname(__file__), when=when, tier=tier, root=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=USER_ENV)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     last = tmp_path / "ckpt" / "last.ckpt"
     # every 4 steps, one epoch of the test data (a plain DataLoader resumes exactly only at an epoch's end)

@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 
-from helpers import global_error, max_rel_error, streamed
+from helpers import USER_ENV, global_error, max_rel_error, streamed
 from lightning_slide import SlideFormerStrategy
 from lightning_slide.__main__ import main as slide
 from lightning_slide.data import IGNORE, TextDataModule, builtin_tokenizer, pack, tokenize
@@ -384,12 +384,11 @@ def test_a_validation_split_that_leaves_nothing_to_train_is_refused(tmp_path):
 
 def test_quickstart_recipe_runs_and_loss_falls(tmp_path):
     # as a user runs it: `python -m lightning_slide` in a fresh process, without the test's TRITON_INTERPRET
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     recipe = os.path.join(ROOT, "recipes", "quickstart.yaml")
     command = [sys.executable, "-m", "lightning_slide", "fit", "--config", recipe, "--trainer.max_steps", "40",
                "--trainer.val_check_interval", "40", "--trainer.default_root_dir", str(tmp_path),
                "--trainer.enable_progress_bar", "false"]  # fmt: skip
-    subprocess.run(command, env=env, check=True, timeout=600)
+    subprocess.run(command, env=USER_ENV, check=True, timeout=600)
     (metrics,) = glob.glob(str(tmp_path / "lightning_logs" / "*" / "metrics.csv"))
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
