@@ -31,6 +31,7 @@ TINY = dict(
     d_model=32, d_ff=64, d_kv=8, num_layers=3, num_heads=4, encoder_layers=2, decoder_layers=2,
     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
     n_input_layers=1, n_output_layers=1,  # looped models (Dory): each layer once per loop, as in their own configs
+    mamba_chunk_size=16, mamba_d_state=16,  # Mamba2 mixers (Falcon-H1): their reference scan pads to a whole chunk
 )  # fmt: skip
 SEQ2SEQ = ("t5", "bart")
 
