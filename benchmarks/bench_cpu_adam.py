@@ -1,15 +1,19 @@
 """The CPU optimizer's budget (GPU machine): torch's fused CPU AdamW on pageable vs pinned memory, alone and while
 PCIe copies run in both directions, and whole tensors vs 8M-element chunks. ``--widen`` instead compares fp32
 gradients with bf16 ones widened to fp32 a chunk at a time (the "forward" schedule's bf16 retained gradients), for
-several chunk sizes.
+several chunk sizes. ``--state`` compares fp32 moments (torch's fused AdamW) with bf16 ones (``optimizer_state="bf16"``:
+``lightning_slide/engine/adam_bf16.py``), on the same pinned parameters, alone and under PCIe load
+(``results/cpu_adam_state.csv``; the rate ``rates.Rates.cpu_bf16_params_per_s`` is fitted to it).
 
     python benchmarks/bench_cpu_adam.py --params 1e9
     python benchmarks/bench_cpu_adam.py --params 1e9 --widen
+    python benchmarks/bench_cpu_adam.py --params 1e9 --state
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import threading
@@ -48,6 +52,35 @@ def widen(n: int, threads: int, common: dict, out: str) -> None:
         for dtype, chunk in cases + cases[::-1]:  # both orders: drift shows as a difference between the two
             # (the bf16 copies are pageable; pageable and pinned run alike on the CPU, see the default mode's rows)
             measure(out, {**common, "memory": "pinned"}, params, [g.to(dtype) for g in grads], threads, chunk, load)
+
+
+def bf16_state_time(params, grads, threads: int, repeats: int = 3) -> float:
+    """Median time of AdamW with bf16 moments (the engine's kernel) over ``params``, whole tensors."""
+    from lightning_slide.engine import adam_bf16
+
+    states = [(torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16)) for p in params]
+    times = []
+    for step in range(1, repeats + 2):
+        args = adam_bf16.AdamArgs.of(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True,
+                                     maximize=False, step=step)  # fmt: skip
+        start = time.perf_counter()
+        for i, (p, g, (m, v)) in enumerate(zip(params, grads, states)):
+            adam_bf16.step(p, g, m, v, None, args, seed=i, threads=threads)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def state_dtypes(n: int, threads: int, common: dict, out: str) -> None:
+    params = [torch.randn(n, pin_memory=True) for _ in range(4)]
+    grads = [torch.randn(n, pin_memory=True) * 1e-3 for _ in range(4)]
+    for load in (False, True):
+        for state in ("float32", "bfloat16", "bfloat16", "float32"):  # both orders: drift shows as a difference
+            with PcieLoad() if load else contextlib.nullcontext() as pcie:
+                t = bf16_state_time(params, grads, threads) if state == "bfloat16" else adam_time(
+                    params, grads, threads, None)  # fmt: skip
+            append_row(out, {**common, "memory": "pinned", "state": state,
+                             "pcie_load_gbps": round(pcie.gbps, 1) if load else 0.0, "seconds": t,
+                             "gparams_per_s": sum(p.numel() for p in params) / t / 1e9})  # fmt: skip
 
 
 def measure(out: str, common: dict, params, grads, threads: int, chunk: int | None, load: bool) -> None:
@@ -99,11 +132,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=float, default=1e9)
     parser.add_argument("--widen", action="store_true", help="fp32 vs bf16 gradients widened in chunks")
-    parser.add_argument("--out", default="benchmarks/results/cpu_adam.csv")
+    parser.add_argument("--state", action="store_true", help="fp32 vs bf16 moments")
+    parser.add_argument("--out", default=None, help="default: results/cpu_adam.csv (--state: cpu_adam_state.csv)")
     args = parser.parse_args()
+    args.out = args.out or f"benchmarks/results/cpu_adam{'_state' if args.state else ''}.csv"
     n = int(args.params) // 4
     threads = max(1, os.cpu_count() - 1)
     common = {**environment(), "threads": threads, "params": 4 * n}
+    if args.state:
+        state_dtypes(n, threads, common, args.out)
+        return
     if args.widen:
         widen(n, threads, common, args.out)
         return

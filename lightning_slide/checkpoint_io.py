@@ -298,6 +298,9 @@ def _references(checkpoint: dict) -> bool:
     return any(_is_reference(v) for _, container in _containers(checkpoint) for v in container.values())
 
 
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # of the NVMe tier's state (optimizer_state)
+
+
 def _resolve(ref: dict, path: Path, where: str, maps: dict[str, torch.Tensor]) -> torch.Tensor:
     """The tensor a state reference points to: a view of a read-only map of the copied file in the checkpoint's own
     ``state/`` folder, every block's CRC checked (a block never written, ``None``, must be zeros)."""
@@ -321,7 +324,7 @@ def _resolve(ref: dict, path: Path, where: str, maps: dict[str, torch.Tensor]) -
                 f"State in {file} (bytes {start}..{start + nbytes}) of this checkpoint is corrupt (checksum"
                 " mismatch). Resume from another checkpoint."
             )
-    return raw.view(torch.float32).view(ref["shape"])
+    return raw.view(_STATE_DTYPES[ref.get("dtype", "float32")]).view(ref["shape"])
 
 
 def _state_file(ref: dict, path: Path, where: str) -> Path:
@@ -343,8 +346,11 @@ def _state_file(ref: dict, path: Path, where: str) -> Path:
     if not (isinstance(shape, list) and all(_natural(n) for n in shape) and all(_natural(ref.get(k)) for k in
             ("offset", "nbytes")) and isinstance(blocks, list)):  # fmt: skip
         raise refuse("is malformed (offset, nbytes, shape, blocks)")
-    if ref["nbytes"] != 4 * math.prod(shape):
-        raise refuse(f"gives {ref['nbytes']} bytes for an fp32 tensor of shape {shape}")
+    dtype = _STATE_DTYPES.get(ref.get("dtype", "float32")) if isinstance(ref.get("dtype", ""), str) else None
+    if dtype is None:
+        raise refuse(f"names the dtype {ref.get('dtype')!r}, not float32 or bfloat16")
+    if ref["nbytes"] != dtype.itemsize * math.prod(shape):
+        raise refuse(f"gives {ref['nbytes']} bytes for a {dtype} tensor of shape {shape}")
     if (
         not all(
             isinstance(b, list) and len(b) == 2 and _natural(b[0]) and b[0] > 0 and (b[1] is None or _natural(b[1]))

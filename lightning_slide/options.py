@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .engine import EngineConfig
+from .engine import EngineConfig, adam_bf16
 from .engine.shared_host import SharedHost
 from .engine.world import DataParallel
 
@@ -26,6 +26,7 @@ class EngineOptions:
     cpu_threads: int | None
     offload_activations: bool | Literal["auto"]
     optimizer_offload: Literal["auto", "cpu", "nvme"]
+    optimizer_state: Literal["fp32", "bf16"]
     nvme_path: str | None
     nvme_masters: bool
     config: EngineConfig
@@ -36,7 +37,7 @@ class EngineOptions:
 def check_options(
     *, num_slots: Any, update_schedule: Any, on_nonfinite: Any, cpu_threads: Any, attention: Any, fused_ops: Any,
     engine: Any, offload_activations: Any, placement: Any, device_memory_gib: Any, tokens_per_batch: Any,
-    half_weights: Any, optimizer_offload: Any, nvme_masters: Any, nvme_path: str | None,
+    half_weights: Any, optimizer_offload: Any, optimizer_state: Any, nvme_masters: Any, nvme_path: str | None,
 ) -> str | None:  # fmt: skip
     """Refuse a value ``SlideFormerStrategy`` cannot take, saying what would do; returns the NVMe directory (``None``:
     the tier is off; the ``SLIDE_NVME_PATH`` environment variable when ``nvme_path`` is unset)."""
@@ -66,6 +67,10 @@ def check_options(
         raise ValueError(f"half_weights must be 'fp32_masters' or 'keep'; got {half_weights!r}.")
     if optimizer_offload not in ("auto", "cpu", "nvme"):
         raise ValueError(f"optimizer_offload must be 'auto', 'cpu' or 'nvme'; got {optimizer_offload!r}.")
+    if optimizer_state not in ("fp32", "bf16"):
+        raise ValueError(f"optimizer_state must be 'fp32' or 'bf16'; got {optimizer_state!r}.")
+    if optimizer_state == "bf16":
+        adam_bf16.library()  # built now, or refused with what to do, before anything is allocated
     if nvme_masters and optimizer_offload != "nvme":
         raise ValueError(
             "nvme_masters=True keeps the masters beside Adam's state on disk: set optimizer_offload='nvme' (and"

@@ -84,6 +84,7 @@ def choose_engine(
             retain_grads=trainer.accumulate_grad_batches > 1,
             num_slots=options.num_slots or 3, on_nonfinite=options.on_nonfinite, cpu_threads=options.cpu_threads,
             offload_activations=options.offload_activations, nvme_path=nvme_path, nvme_masters=options.nvme_masters,
+            state_dtype=torch.bfloat16 if options.optimizer_state == "bf16" else torch.float32,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
             resident=resident if schedule != "norm-first" else (), world=options.world,
             shared=options.shared, defer_blocks=deferred,
@@ -350,7 +351,8 @@ def _streamed_work(work: Work, engine: SlideEngine, host: HostPlan) -> Work:
     trainable = engine.streamed_trainable() if engine.optimizer is not None else set()
     share = engine.shared.size if engine.shared is not None else 1
     deferred = _trained(engine.deferred, trainable)
-    return replace(work, streamed=travel, trained=sum(p.numel() for p in trainable),
+    bf16 = engine.optimizer is not None and engine.optimizer.state_dtype == torch.bfloat16
+    return replace(work, streamed=travel, trained=sum(p.numel() for p in trainable), bf16_state=bf16,
                    disk_state_bytes=2 * host.disk, processes=share, share=share, deferred=deferred[0],
                    deferred_matmul=deferred[1])  # fmt: skip
 

@@ -6,9 +6,9 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
   backward counts two, one for the input's gradient and one for the weight's), at ``gpu_tflops``; copies run beside
   it at ``pcie_gbs`` each way (fp32 masters up for the forward and again for the backward, converted on the GPU; fp32
   gradients down);
-- the CPU optimizer steps ``cpu_params_per_s`` parameters a second, or the disk moves the NVMe tier's state (read and
-  written back) at ``disk_gbs``; a micro-batch after a window's first brings the retained fp32 gradients back up to
-  add its own on the GPU (4 more bytes up per trained parameter);
+- the CPU optimizer steps ``cpu_params_per_s`` parameters a second (``cpu_bf16_params_per_s`` with bf16 moments), or
+  the disk moves the NVMe tier's state (read and written back) at ``disk_gbs``; a micro-batch after a window's first
+  brings the retained fp32 gradients back up to add its own on the GPU (4 more bytes up per trained parameter);
 - schedule "backward" updates while the backward runs, so the CPU starts when the forward ends; where the first blocks'
   updates are deferred, they run after the backward instead and overlap those blocks' next forward, the rest of the
   forward follows; "forward" updates after the backward, overlapping the next forward; "norm-first" runs a second
@@ -37,6 +37,7 @@ class Rates:
         gpu_tflops: bf16 matmul rate in training, attention included (sequences of 4096).
         pcie_gbs: host-device copies, each way (GB/s).
         cpu_params_per_s: torch's fused CPU AdamW, all cores but one.
+        cpu_bf16_params_per_s: the same with bf16 moments (``engine/adam_bf16.py``; 20 bytes a parameter, not 28).
         disk_gbs: the NVMe tier's reads and writes together (GB/s).
         stream_start_s: a streamed step's start, before the window and the updates overlap the compute.
     """
@@ -44,6 +45,7 @@ class Rates:
     gpu_tflops: float = 500.0
     pcie_gbs: float = 50.0
     cpu_params_per_s: float = 3.5e9
+    cpu_bf16_params_per_s: float = 4.9e9
     disk_gbs: float = 3.0
     stream_start_s: float = 0.1
 
@@ -63,6 +65,7 @@ class Work:
     share: int = 1  # of them, those that split the trained rows (shared_host.py)
     deferred: int = 0  # of the trained, those updated during the next forward (schedule "backward")
     deferred_matmul: int = 0  # weights of their matrices
+    bf16_state: bool = False  # Adam's moments in bf16 (optimizer_state="bf16")
 
 
 def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> float:
@@ -80,7 +83,8 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
     second = backward if schedule == "norm-first" else 0.0
     later = (work.micro_batches - 1) * max(forward + backward, up + readback, down)
     gpu = max(forward + backward, up, down) + later + second
-    cpu = work.trained / work.share / (rates.cpu_params_per_s / work.processes)
+    per_s = rates.cpu_bf16_params_per_s if work.bf16_state else rates.cpu_params_per_s
+    cpu = work.trained / work.share / (per_s / work.processes)
     update = max(cpu, work.processes * work.disk_state_bytes / (rates.disk_gbs * 1e9))
     if schedule == "backward":
         late = update * work.deferred / work.trained if work.trained else 0.0

@@ -68,6 +68,8 @@ class SlideFormerStrategy(Processes):
             ``"auto"`` on CUDA as few as let the rest fit (MLPs tiled where one block at work would not).
         optimizer_offload: Adam's moments in RAM (``"cpu"``) or in files under ``nvme_path`` (``"nvme"``);
             ``"auto"``: RAM unless it is short and ``nvme_path`` is given.
+        optimizer_state: the streamed parameters' Adam moments in ``"fp32"`` or ``"bf16"`` (half the bytes, a faster
+            CPU step; stochastically rounded: ``engine/adam_bf16.py``).
         nvme_path: an existing, writable directory on a fast disk; ``None``: ``$SLIDE_NVME_PATH``.
         nvme_masters: with ``"nvme"`` under bf16-mixed, the blocks' fp32 masters on disk too (bf16 copies in RAM).
         attention: Hugging Face models: ``"auto"``: the project's attention in bf16 on CUDA where it covers the
@@ -94,6 +96,7 @@ class SlideFormerStrategy(Processes):
         half_weights: Literal["fp32_masters", "keep"] = "fp32_masters",
         offload_activations: bool | Literal["auto"] = "auto",
         optimizer_offload: Literal["auto", "cpu", "nvme"] = "auto",
+        optimizer_state: Literal["fp32", "bf16"] = "fp32",
         nvme_path: str | None = None,
         nvme_masters: bool = False,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -113,8 +116,8 @@ class SlideFormerStrategy(Processes):
             num_slots=num_slots, update_schedule=update_schedule, on_nonfinite=on_nonfinite, cpu_threads=cpu_threads,
             attention=attention, fused_ops=fused_ops, engine=engine, offload_activations=offload_activations,
             placement=placement, device_memory_gib=device_memory_gib, tokens_per_batch=tokens_per_batch,
-            half_weights=half_weights, optimizer_offload=optimizer_offload, nvme_masters=nvme_masters,
-            nvme_path=nvme_path,
+            half_weights=half_weights, optimizer_offload=optimizer_offload, optimizer_state=optimizer_state,
+            nvme_masters=nvme_masters, nvme_path=nvme_path,
         )  # fmt: skip
         super().__init__(
             timeout=timeout,
@@ -130,6 +133,7 @@ class SlideFormerStrategy(Processes):
         self.half_weights = half_weights
         self.offload_activations = offload_activations
         self.optimizer_offload = optimizer_offload
+        self.moments = optimizer_state  # not `optimizer_state`: Lightning's hook of that name
         self.nvme_path = nvme_path
         self.nvme_masters = nvme_masters
         self._loaded_masters: dict[nn.Parameter, torch.Tensor] = {}  # fp32 masters from a checkpoint, until setup
@@ -297,7 +301,8 @@ class SlideFormerStrategy(Processes):
             on_nonfinite=self.on_nonfinite,
             cpu_threads=self.cpu_threads or (self._default_threads() if device.type == "cuda" else None),
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
-            nvme_path=self.nvme_path, nvme_masters=self.nvme_masters, config=self.engine_config,
+            optimizer_state=self.moments, nvme_path=self.nvme_path, nvme_masters=self.nvme_masters,
+            config=self.engine_config,
             world=self._world, shared=shared or self._shared,
         )  # fmt: skip
         stored = self._storage(layout, optimizer).sizes

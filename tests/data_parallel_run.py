@@ -35,6 +35,7 @@ parser.add_argument("--schedule", default="auto")
 parser.add_argument("--seed-per-rank", action="store_true", help="each process starts from other weights")
 parser.add_argument("--nvme-path", default=None)
 parser.add_argument("--nvme-masters", action="store_true", help="the blocks' fp32 masters on disk too (bf16-mixed)")
+parser.add_argument("--optimizer-state", default="fp32", help="SlideFormerStrategy(optimizer_state=...)")
 parser.add_argument("--precision", default="32-true")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--save-at", type=int, default=None, help="a checkpoint after this step, in OUT's folder")
@@ -104,6 +105,7 @@ strategy = (
         nvme_path=args.nvme_path,
         optimizer_offload="nvme" if args.nvme_path else "cpu",
         nvme_masters=args.nvme_masters,
+        optimizer_state=args.optimizer_state,
         device_memory_gib=args.device_memory_gib,
         placement=args.placement,
         **({"timeout": datetime.timedelta(seconds=args.timeout)} if args.timeout else {}),
@@ -169,11 +171,11 @@ updated = [0]  # elements this process's optimizer updated
 if args.report:
     adam = optim.CpuOptimizer._adam
 
-    def _counting(ps, *rest, **kwargs):
+    def _counting(self, params, ps, *rest, **kwargs):  # ps: the parts of params updated
         updated[0] += sum(p.numel() for p in ps)
-        return adam(ps, *rest, **kwargs)
+        return adam(self, params, ps, *rest, **kwargs)
 
-    optim.CpuOptimizer._adam = staticmethod(_counting)
+    optim.CpuOptimizer._adam = _counting
 
 
 held_at_plan = [None]  # bytes of parameter storage as the plan reads the RAM left

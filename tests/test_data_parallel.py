@@ -138,6 +138,23 @@ def test_a_module_loading_its_weights_once_per_node_trains_as_ddp(tmp_path):
 
 
 @pytest.mark.slow
+def test_bf16_state_shared_out_by_processes_trains_as_one_process(tmp_path):
+    # each process updates its rows of the moments in the memory the node's processes share; the random rounding
+    # follows each element's index in its parameter, so two processes round as one does (but where the gradients'
+    # last bits, summed in another order, tip an element's rounding: far less than bf16's own difference from fp32)
+    options = ["--text", "step", "--report", str(tmp_path / "report")]
+    one = ["--devices", "1", "--batch-size", "4"]
+    fp32 = _trained("slideformer", tmp_path / "fp32.pt", *options, *one)
+    bf16 = ["--optimizer-state", "bf16"]
+    one = _trained("slideformer", tmp_path / "one.pt", *options, *bf16, *one)
+    two = _trained("slideformer", tmp_path / "two.pt", *options, *bf16, "--devices", "2", "--batch-size", "2")
+    err, where = max_rel_error(two, one)
+    assert err < 0.1 * max_rel_error(one, fp32)[0], f"{where}: {err:.2e}"
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(2)]
+    assert all(r["inodes"] == reports[0]["inodes"] and r["private"] == 0 for r in reports)
+
+
+@pytest.mark.slow
 def test_text_data_on_processes_resumes_exactly_mid_epoch(tmp_path):
     options = ["--text", "batch", "--steps", "12"]
     straight = _trained("slideformer", tmp_path / "straight.pt", *options, "--save-at", "5")

@@ -87,3 +87,22 @@ def test_frozen_bf16_storage_is_planned():
     fit(module, SlideFormerStrategy(num_slots=2), precision="bf16-mixed", steps=1, callbacks=[Measure()])
     assert seen["plan"].masters == seen["masters"]
     assert seen["plan"].optimizer_state == 8 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def test_bf16_state_halves_the_planned_state_in_ram_and_on_disk():
+    import torch
+
+    from lightning_slide.engine.planner import plan_host
+
+    params = [torch.nn.Parameter(torch.zeros(1024, 512)), torch.nn.Parameter(torch.zeros(512))]
+    optimizer = torch.optim.AdamW(params)
+    plans = {
+        size: plan_host([params], optimizer, landing_bytes=0, pinned=False, state_itemsize=size) for size in (4, 2)
+    }
+    numel = sum(p.numel() for p in params)
+    assert plans[4].optimizer_state == 2 * 4 * numel
+    assert plans[2].optimizer_state == 2 * 2 * numel
+    on_disk = {size: plan_host([params], optimizer, landing_bytes=0, pinned=False, state_itemsize=size,
+                               state_block_numel=1 << 16).disk for size in (4, 2)}  # fmt: skip
+    for size in (4, 2):  # two moments of each tensor, each in whole 4 KiB pages
+        assert on_disk[size] == 2 * (1024 * 512 * size + 4096)

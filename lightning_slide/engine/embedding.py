@@ -323,7 +323,7 @@ class EmbeddingRows:
         self.window.wait_updates(self.unit)  # the write-back of its last update has landed
         state = {}
         for name, tensor in self.optimizer.state_like(split.param).items():
-            state[name] = torch.empty(len(split.index), *tensor.shape[1:], dtype=torch.float32,
+            state[name] = torch.empty(len(split.index), *tensor.shape[1:], dtype=tensor.dtype,
                                       device=self.transfer.device)  # fmt: skip
             self.send_host_rows(tensor, split.index, state[name])
         return state

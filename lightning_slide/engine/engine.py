@@ -66,6 +66,7 @@ class SlideEngine:
         offload_activations: the blocks' saved inputs in host memory between forward and backward: ``True``: every
             block's; ``"auto"``: as few as let the rest fit, decided at the first training forward (``activations.py``).
         nvme_path: Adam's moments in files of a private directory made there (``nvme.py``) instead of in RAM.
+        state_dtype: Adam's moments of fp32 parameters in fp32 or bf16 (``adam_bf16.py``), in RAM and on NVMe.
         nvme_masters: with ``nvme_path``, the fp32 masters of the blocks' trained matrices there too; the parameters
             hold compute-dtype copies until :meth:`teardown` reads the masters back (``disk_masters.py``).
         hooks_read_grads: user code may read ``param.grad`` between backward and step: "forward" shows the gradients
@@ -99,6 +100,7 @@ class SlideEngine:
         cpu_threads: int | None = None,
         offload_activations: bool | Literal["auto"] = False,
         nvme_path: str | None = None,
+        state_dtype: torch.dtype = torch.float32,
         nvme_masters: bool = False,
         hooks_read_grads: bool = True,
         compact_grads: bool = False,
@@ -128,7 +130,7 @@ class SlideEngine:
         )
         # parameters more than one unit computes with (tied embeddings)
         self._shared = {p for u in self.units for p, o in zip(u.params, u.owner) if o is not u}
-        self.optimizer = CpuOptimizer(optimizer) if optimizer is not None else None
+        self.optimizer = CpuOptimizer(optimizer, state_dtype) if optimizer is not None else None
         if nvme_path is not None and self.optimizer is not None and self.optimizer.is_sgd:
             raise ValueError(
                 "optimizer_offload='nvme' holds Adam/AdamW moments; train SGD with optimizer_offload='cpu'."
@@ -204,12 +206,9 @@ class SlideEngine:
         return window_bytes(self.blocks, self._own_buffer_units(), num_slots or self.num_slots, self.chunk_numel)
 
     def host_plan(self, stored_sizes: dict[nn.Parameter, int] | None = None, activations: int = 0) -> HostPlan:
-        """What :meth:`setup` and training will add to host memory (see ``planner.py``).
-
-        Args:
-            stored_sizes: element sizes parameters will be stored with, where they differ from now.
-            activations: host bytes of the block inputs that will be offloaded.
-        """
+        """What :meth:`setup` and training will add to host memory (``planner.plan_host``): ``stored_sizes``, the
+        element sizes parameters will be stored with where they differ from now; ``activations``, host bytes of the
+        block inputs that will be offloaded."""
         owned = [u.owned() for u in self.units]
         landing = self._landing_buffers * self.chunk_numel * 4 if self.optimizer is not None else 0
         copy_size = torch.empty((), dtype=self.compute_dtype).element_size()
@@ -222,6 +221,7 @@ class SlideEngine:
             pinned=self.device.type == "cuda",
             frozen_bytes_per_element={**(stored_sizes or {}), **dict.fromkeys(self.disk_masters, copy_size)},
             state_block_numel=self.chunk_numel if self.nvme_path is not None else None,
+            state_itemsize=self.optimizer.state_dtype.itemsize if self.optimizer is not None else 4,
             read_ahead_bytes=self.config.nvme_read_ahead_bytes,
             disk_masters=self.disk_masters,
             activations=activations,
@@ -296,7 +296,7 @@ class SlideEngine:
             units = [(u.name, [p for p in u.owned() if p in trainable]) for u in self.units]
             store = self.optimizer.store = NvmeStateStore(
                 self.nvme_path, [(n, ps) for n, ps in units if ps], self.optimizer.state_keys(),
-                masters=frozenset(self.disk_masters),
+                state_dtype=self.optimizer.state_dtype, masters=frozenset(self.disk_masters),
                 chunk_numel=self.chunk_numel, max_ahead_bytes=self.config.nvme_read_ahead_bytes,
                 own_rows=self._own_rows(),
             )  # fmt: skip
@@ -342,7 +342,7 @@ class SlideEngine:
         self.optimizer.own_rows = self._own_rows()
         keys = self.optimizer.state_keys() if self.optimizer.store is None else ()  # else in each process's files
         params = [p for group in owned for p in group if p in trainable]
-        self.shared.hold_state(self.optimizer.shared_state, params, keys)
+        self.shared.hold_state(self.optimizer.shared_state, params, keys, self.optimizer.state_dtype_of)
         self.updates.share(self.shared, self._retained_units())
 
     def _own_rows(self) -> dict[nn.Parameter, slice | None]:

@@ -111,6 +111,7 @@ class NvmeStateStore:
         root: an existing, writable directory on the fast disk.
         units: (name, parameters) per file.
         keys: the state tensors per parameter, e.g. ``("exp_avg", "exp_avg_sq")``.
+        state_dtype: their dtype on disk and in the buffers :meth:`load` gives (fp32 or bf16; masters are fp32).
         masters: parameters whose fp32 master is kept here too (key :data:`MASTER`), beside their state.
         chunk_numel: elements per row block, at most (see :func:`rows_per_block`).
         max_ahead_bytes: state read ahead and not yet used may hold at most this much RAM.
@@ -125,6 +126,7 @@ class NvmeStateStore:
         units: list[tuple[str, list[nn.Parameter]]],
         keys: tuple[str, ...],
         *,
+        state_dtype: torch.dtype = torch.float32,
         masters: frozenset[nn.Parameter] = frozenset(),
         chunk_numel: int,
         max_ahead_bytes: int = 512 << 20,
@@ -132,6 +134,7 @@ class NvmeStateStore:
         own_rows: dict[nn.Parameter, slice | None] | None = None,
     ) -> None:
         self.keys = keys
+        self.dtypes = {**dict.fromkeys(keys, state_dtype), MASTER: torch.float32}
         self.scope = {p for _, params in units for p in params}  # held here or not
         self.max_ahead_bytes = max_ahead_bytes
         self.dir, self._owner = make_state_dir(root)
@@ -157,21 +160,21 @@ class NvmeStateStore:
                 offset = whole = 0
                 for p in params:
                     first, count = _held(p, (own_rows or {}).get(p))
-                    row_bytes = row_numel(p) * 4
                     for key in keys + ((MASTER,) if p in masters else ()):
+                        row_bytes = row_numel(p) * self.dtypes[key].itemsize
                         if count:
                             region = _Region(len(self.paths), offset, count * row_bytes, 0, whole + first * row_bytes)
                             self.regions.setdefault(p, {})[key] = region
                             offset += page_aligned(region.nbytes)
-                        whole += page_aligned(p.numel() * 4)
+                        whole += page_aligned(p.numel() * self.dtypes[key].itemsize)
                     if not count:
                         continue
                     self._names[p] = f"{name}: {tuple(p.shape)}"
                     self.first[p] = first
                     self._shapes[p] = (count, *p.shape[1:]) if p.dim() else ()
                     self.rows[p] = min(count, rows_per_block(p, chunk_numel))
-                    for region in self.regions[p].values():
-                        region.block_bytes = self.rows[p] * row_bytes
+                    for key, region in self.regions[p].items():
+                        region.block_bytes = self.rows[p] * row_numel(p) * self.dtypes[key].itemsize
                         region.crcs = [None] * -(-count // self.rows[p])
                 path = os.path.join(self.dir, f"{i:04d}-{name or 'root'}.bin")
                 self.paths.append(path)
@@ -267,7 +270,7 @@ class NvmeStateStore:
         self._refill()
         per, held = self.rows[param], self._shapes[param]
         shape = held if param.dim() == 0 else (min(per, held[0] - block * per), *held[1:])
-        return {k: buffers[k][: math.prod(shape) * 4].view(torch.float32).view(shape) for k in buffers}
+        return {k: self._typed(buffers[k], k, shape) for k in buffers}
 
     def save(self, param: nn.Parameter, block: int) -> None:
         """Write back the block's state (updated in the buffers :meth:`load` gave), behind the caller."""
@@ -284,6 +287,11 @@ class NvmeStateStore:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+
+    def _typed(self, buffer: Tensor, key: str, shape: tuple[int, ...]) -> Tensor:
+        # the start of a pooled byte buffer, as ``key``'s tensor of ``shape``
+        dtype = self.dtypes[key]
+        return buffer[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def _block_bytes(self, param: nn.Parameter, block: int) -> int:
         return sum(page_aligned(r.block(block)[1] - r.block(block)[0]) for r in self.regions[param].values())
@@ -359,12 +367,14 @@ class NvmeStateStore:
             if key not in (keys or self.keys):
                 continue
             sizes = [min(r.block_bytes, r.nbytes - b * r.block_bytes) for b in range(len(r.crcs))]
-            part = self.first[param] * row_numel(param) * 4
+            itemsize = self.dtypes[key].itemsize
+            part = self.first[param] * row_numel(param) * itemsize
             out[key] = {
                 "nvme_state_file": os.path.basename(self.paths[r.file]),
                 "offset": r.copy_offset - part,
-                "nbytes": param.numel() * 4,
+                "nbytes": param.numel() * itemsize,
                 "shape": list(param.shape),
+                "dtype": str(self.dtypes[key]).removeprefix("torch."),
                 "blocks": [[n, crc] for n, crc in zip(sizes, r.crcs)],
                 "part": part,
             }  # fmt: skip
@@ -392,7 +402,7 @@ class NvmeStateStore:
             value = value[self.first[param] : self.first[param] + self._shapes[param][0]]
 
         def write(block: int, part: Tensor, buffer: Tensor) -> None:
-            buffer[: part.numel() * 4].view(torch.float32).view(part.shape).copy_(part)
+            self._typed(buffer, key, part.shape).copy_(part)
             self._write(region, block, buffer)
 
         self._each_block(param, region, value, write)
@@ -412,7 +422,7 @@ class NvmeStateStore:
                 part.zero_()
                 return
             self._read(region, block, buffer, f"{key} of {self._names[param]}")
-            part.copy_(buffer[: part.numel() * 4].view(torch.float32).view(part.shape))
+            part.copy_(self._typed(buffer, key, part.shape))
 
         self._each_block(param, region, value, read)
         return out

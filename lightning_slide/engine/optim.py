@@ -3,7 +3,8 @@
 The user's optimizer object keeps its ``param_groups`` and its ``state`` in torch's own format, so
 ``optimizer.state_dict()``, Lightning checkpoints and LR schedulers work unchanged. Only the arithmetic moves:
 the engine calls torch's fused CPU kernels on the parameters whose gradients have arrived, with the
-hyperparameters that were in force when ``optimizer_step`` was called.
+hyperparameters that were in force when ``optimizer_step`` was called. With ``state_dtype=torch.bfloat16`` Adam's
+moments of fp32 parameters are bf16 tensors there, updated by ``adam_bf16.py``'s kernel.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
+from . import adam_bf16
+from .adam_bf16 import AdamArgs
 from .nvme import MASTER, NvmeStateStore, row_numel
 
 SUPPORTED_OPTIMIZERS = (AdamW, Adam, SGD)
@@ -49,12 +52,15 @@ class CpuOptimizer:
     the store's rows, each block's moments read before and written after. A parameter whose fp32 master is in the
     store too holds a compute-dtype copy: the update runs on the block's master, then rounds it into the copy.
 
+        state_dtype: the dtype of Adam's moments of fp32 parameters (``torch.bfloat16``: ``adam_bf16.py``); a
+            parameter of another dtype has state of its own dtype, as torch's optimizers make it.
+
     Raises:
         TypeError: for any other optimizer class (subclasses included: their ``step`` may differ).
         ValueError: for options the fused kernels do not implement.
     """
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, state_dtype: torch.dtype = torch.float32) -> None:
         if type(optimizer) not in SUPPORTED_OPTIMIZERS:
             names = ", ".join(f"torch.optim.{cls.__name__}" for cls in SUPPORTED_OPTIMIZERS)
             raise TypeError(
@@ -67,6 +73,16 @@ class CpuOptimizer:
                     raise ValueError(f"SlideFormer does not support {type(optimizer).__name__}({flag}=True).")
         self.optimizer = optimizer
         self.is_sgd = type(optimizer) is SGD
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"The optimizer state is kept in float32 or bfloat16; got {state_dtype}.")
+        if state_dtype != torch.float32 and self.is_sgd:
+            raise ValueError(
+                "optimizer_state='bf16' keeps Adam's moments in bf16; SGD's momentum stays fp32: train SGD with"
+                " optimizer_state='fp32'."
+            )
+        self.state_dtype = state_dtype
+        # each parameter's number in the optimizer, for the bf16 moments' random rounding (a step repeats exactly)
+        self._number = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         self.store: NvmeStateStore | None = None
         # state tensors in memory shared by a node's processes (shared_host.py), taken when the state is created,
         # and the rows of each parameter this process updates
@@ -140,10 +156,14 @@ class CpuOptimizer:
                     state[key] = self._new_state(param, key)
         state["step"] += 1
 
+    def state_dtype_of(self, param: Tensor) -> torch.dtype:
+        """The dtype of ``param``'s state tensors."""
+        return self.state_dtype if param.dtype == torch.float32 else param.dtype
+
     def _new_state(self, param: Tensor, key: str) -> Tensor:
         shared = self.shared_state.get((param, key))
         if shared is None:
-            return torch.zeros_like(param, memory_format=torch.preserve_format)
+            return torch.zeros_like(param, dtype=self.state_dtype_of(param), memory_format=torch.preserve_format)
         part = own_part(shared, self.own_rows[param])
         if part is not None:
             part.zero_()  # the other processes zero theirs
@@ -176,7 +196,8 @@ class CpuOptimizer:
                     grad = g if part is None or part == slice(0, len(g)) else g[part]
                     master = moments.pop(MASTER, None)
                     target = rows_of(p.data, at) if master is None else master
-                    self._adam([target], [grad], [moments], [self.optimizer.state[p]["step"]], hypers, grad_scale)
+                    step = self.optimizer.state[p]["step"]
+                    self._adam([p], [target], [grad], [moments], [step], hypers, grad_scale, [_first(p, at)])
                     if master is not None:
                         rows_of(p.data, at).copy_(master)  # the copy the device computes with
                     self.store.save(p, block)
@@ -190,7 +211,8 @@ class CpuOptimizer:
             self._sgd(ps, grads, bufs, hypers, first, grad_scale)
             return
         moments = [{k: rows_of(v, r) for k, v in s.items() if k != "step"} for s, r in zip(states, rows)]
-        self._adam(ps, grads, moments, [s["step"] for s in states], hypers, grad_scale)
+        starts = [_first(p, r) for p, r in zip(params, rows)]
+        self._adam(params, ps, grads, moments, [s["step"] for s in states], hypers, grad_scale, starts)
 
     def state_like(self, param: Tensor) -> dict[str, Tensor]:
         """``param``'s values and each of its state tensors shaped like it (Adam's moments, SGD's momentum), by name
@@ -200,12 +222,14 @@ class CpuOptimizer:
         return {"param": param.data, **shaped}
 
     def update_gathered(
-        self, param: Tensor, rows: dict[str, Tensor], grad: Tensor, hypers: Hypers, grad_scale: Tensor | None = None
-    ) -> None:
-        """Apply the update to rows gathered from :meth:`state_like` (same keys), in place, after :meth:`begin`.
+        self, param: Tensor, rows: dict[str, Tensor], grad: Tensor, hypers: Hypers, grad_scale: Tensor | None = None,
+        *, index: Tensor,
+    ) -> None:  # fmt: skip
+        """Apply the update to rows ``index`` (int64, on the host) gathered from :meth:`state_like` (same keys), in
+        place, after :meth:`begin`.
 
-        The rows may be on the device: the same fused kernel then runs there (the step count and ``grad_scale`` go
-        with them)."""
+        The rows may be on the device: the same fused kernel (bf16 moments: ``adam_bf16_ref``) then runs there (the step
+        count and ``grad_scale`` go with them)."""
         device = grad.device
         if grad_scale is not None:
             grad_scale = grad_scale.to(device)
@@ -213,8 +237,17 @@ class CpuOptimizer:
             bufs = [rows["momentum_buffer"]] if hypers.momentum != 0 else []
             self._sgd([rows["param"]], [grad], bufs, hypers, self._sgd_first[param], grad_scale)
             return
-        step = self.optimizer.state[param]["step"].to(device)
-        self._adam([rows["param"]], [grad], [rows], [step], hypers, grad_scale)
+        step = self.optimizer.state[param]["step"]
+        if _bf16_moments(rows, param):
+            args, seed = self._bf16_args(param, step, hypers, grad_scale)
+            if device.type == "cpu":
+                adam_bf16.step(rows["param"], grad, rows["exp_avg"], rows["exp_avg_sq"], rows.get("max_exp_avg_sq"),
+                               args, seed, rows=index, threads=torch.get_num_threads())  # fmt: skip
+            else:
+                adam_bf16.adam_bf16_ref(rows["param"], grad, rows["exp_avg"], rows["exp_avg_sq"],
+                                        rows.get("max_exp_avg_sq"), args, seed, rows=index)  # fmt: skip
+            return
+        self._fused_adam([rows["param"]], [grad], [rows], [step.to(device)], hypers, grad_scale)
 
     @staticmethod
     def _sgd(ps, grads, bufs, hypers: Hypers, first: bool, grad_scale) -> None:
@@ -225,8 +258,34 @@ class CpuOptimizer:
             is_first_step=first, grad_scale=grad_scale,
         )  # fmt: skip
 
+    def _adam(self, params, ps, grads, moments: list[dict[str, Tensor]], steps, hypers: Hypers, grad_scale,
+              starts: list[int]) -> None:  # fmt: skip
+        # params: the parameters; ps: the tensors updated (their rows, or a block's master), the first element of each
+        # at starts[i] in its parameter
+        bf16 = [i for i, (m, p) in enumerate(zip(moments, ps)) if _bf16_moments(m, p)]
+        for i in bf16:
+            args, seed = self._bf16_args(params[i], steps[i], hypers, grad_scale)
+            m = moments[i]
+            adam_bf16.step(ps[i], grads[i], m["exp_avg"], m["exp_avg_sq"], m.get("max_exp_avg_sq"), args, seed,
+                           index0=starts[i], threads=torch.get_num_threads())  # fmt: skip
+        rest = [i for i in range(len(ps)) if i not in bf16]
+        if rest:
+            ps, grads, moments, steps = ([xs[i] for i in rest] for xs in (ps, grads, moments, steps))
+            self._fused_adam(ps, grads, moments, steps, hypers, grad_scale)
+
+    def _bf16_args(
+        self, param: Tensor, step: Tensor, hypers: Hypers, grad_scale: Tensor | None
+    ) -> tuple[AdamArgs, int]:
+        # the bf16 kernel's scalars for this step, and its random bits' seed: this parameter's, this step's
+        count = int(step)
+        scale = 1.0 / float(grad_scale) if grad_scale is not None else 1.0
+        args = AdamArgs.of(lr=hypers.lr, beta1=hypers.beta1, beta2=hypers.beta2, eps=hypers.eps,
+                           weight_decay=hypers.weight_decay, decoupled=hypers.decoupled, maximize=hypers.maximize,
+                           step=count, scale=scale)  # fmt: skip
+        return args, (self._number[param] * 0x632BE5AB + count * 0x9E3779B1) & 0xFFFFFFFF
+
     @staticmethod
-    def _adam(ps, grads, moments: list[dict[str, Tensor]], steps, hypers: Hypers, grad_scale) -> None:
+    def _fused_adam(ps, grads, moments: list[dict[str, Tensor]], steps, hypers: Hypers, grad_scale) -> None:
         fused = torch._fused_adamw_ if hypers.decoupled else torch._fused_adam_
         grads = _as_params(ps, grads)
         fused(
@@ -257,3 +316,13 @@ def own_part(t: Tensor, rows: slice | None) -> Tensor | None:
     if t.dim() == 0 and rows is not None:
         return None
     return rows_of(t, rows)
+
+
+def _first(param: Tensor, rows: slice | None) -> int:
+    # the index, in ``param``, of the first element of its leading rows ``rows``
+    return rows.start * row_numel(param) if rows is not None and param.dim() else 0
+
+
+def _bf16_moments(moments: dict[str, Tensor], param: Tensor) -> bool:
+    # bf16 moments of an fp32 parameter: adam_bf16's kernel (torch's fused ones take one dtype)
+    return moments["exp_avg"].dtype == torch.bfloat16 and param.dtype == torch.float32

@@ -66,6 +66,7 @@ def plan_host(
     disk_masters: list[nn.Parameter] = (),
     activations: int = 0,
     share: int = 1,
+    state_itemsize: int = 4,
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
@@ -82,6 +83,7 @@ def plan_host(
         share: the node's processes that hold the masters, the optimizer state and the retained gradients once, in
             shared memory (``shared_host.py``; the state on disk, in files of their own): each process's part of them
             is planned.
+        state_itemsize: bytes per element of the optimizer state (2: ``optimizer_state="bf16"``).
     """
     sizes = frozen_bytes_per_element or {}
 
@@ -93,17 +95,16 @@ def plan_host(
     groups = optimizer.param_groups if optimizer is not None else []
     # frozen: no state, no grads; parameters of no unit (resident on the device): nothing on the host
     trainable = {p for group in groups for p in group["params"] if p.requires_grad} & set(params)
-    trainable_bytes = sum(p.numel() * 4 for p in trainable)
     per = state_per_fp32(optimizer) if optimizer is not None else 0
-    state = trainable_bytes * per
+    state = sum(p.numel() for p in trainable) * state_itemsize * per
     disk = 0
     if state_block_numel is not None:
         # on disk: all of it, in 4 KiB regions; in RAM: what is read ahead, as much again waiting to be written (the
         # reads queued behind those writes gate the next updates), and the block being updated
-        disk = sum(page_aligned(p.numel() * 4) for p in trainable) * per
+        disk = sum(page_aligned(p.numel() * state_itemsize) for p in trainable) * per
         disk += sum(page_aligned(p.numel() * 4) for p in disk_masters)
         block = max((rows_per_block(p, state_block_numel) * row_numel(p) for p in trainable), default=0)
-        state = min(state, block * 4 * (per + bool(disk_masters)) + 2 * read_ahead_bytes)
+        state = min(state, block * (state_itemsize * per + 4 * bool(disk_masters)) + 2 * read_ahead_bytes)
     retained = sum(p.numel() * (2 if p in compact_grads else 4) for p in trainable & set(retained))
     largest = max((sum(stored(p) for p in unit) for unit in units), default=0)
     if share > 1:  # the masters move into shared memory unit by unit; each process's files hold its rows' state

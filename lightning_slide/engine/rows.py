@@ -80,16 +80,18 @@ class RowSplit:
         # rows the touched rows' update gathers at a time
         return max(1, self.pass_numel // self.param[0].numel())
 
-    def _buffer(self, name: str) -> Tensor:
+    def _buffer(self, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
         # rows for a bulk chunk or a pass of the touched rows' update, whichever is more
         rows = min(self.param.shape[0], max(self.rows_per_chunk, self._pass_rows()))
         shape = (rows, *self.param.shape[1:])
-        if name not in self._scratch or self._scratch[name].shape != shape:
-            self._scratch[name] = torch.zeros(shape)
-        return self._scratch[name]
+        scratch = self._scratch.get(name)
+        if scratch is None or scratch.shape != shape or scratch.dtype != dtype:
+            self._scratch[name] = scratch = torch.zeros(shape, dtype=dtype)
+        return scratch
 
     def _gather(self, tensors: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
-        return {k: torch.index_select(t, 0, keep, out=self._buffer(k)[: len(keep)]) for k, t in tensors.items()}
+        return {k: torch.index_select(t, 0, keep, out=self._buffer(k, t.dtype)[: len(keep)])
+                for k, t in tensors.items()}  # fmt: skip
 
     def bulk(self, optimizer: CpuOptimizer, hypers: Hypers) -> None:
         """Every row's update with a zero gradient; the touched rows keep their state (on the CPU worker)."""
@@ -130,7 +132,7 @@ class RowSplit:
             keep = index[a:b]
             gathered = self._gather(tensors, keep)
             part = grad[a:b] if at is None else self._gather({"grad": grad}, at[a:b])["grad"]
-            optimizer.update_gathered(self.param, gathered, part, hypers, grad_scale)
+            optimizer.update_gathered(self.param, gathered, part, hypers, grad_scale, index=keep)
             for k, t in tensors.items():
                 t.index_copy_(0, keep, gathered[k])
 
@@ -144,12 +146,14 @@ class RowSplit:
     ) -> None:
         """The touched rows' update on their device copies ``state``, once the bulk has counted the step."""
         self.bulk_done.result()
-        optimizer.update_gathered(self.param, self.state, grad, hypers, grad_scale)
+        optimizer.update_gathered(self.param, self.state, grad, hypers, grad_scale, index=self.index)
 
     def write_back(self, optimizer: CpuOptimizer, name: str, lo: int, values: Tensor) -> None:
         """Put rows ``index[lo:lo + len(values)]`` of the device-updated ``state[name]`` into the host's tensor (on the
         CPU worker)."""
-        optimizer.state_like(self.param)[name].index_copy_(0, self.index[lo : lo + len(values)], values)
+        target = optimizer.state_like(self.param)[name]
+        # bf16 moments land widened, exactly: narrowed again here
+        target.index_copy_(0, self.index[lo : lo + len(values)], values.to(target.dtype))
 
 
 @dataclass

@@ -103,10 +103,13 @@ class SharedHost:
             pin(group, flat, fill=self.rank == 0)
         self.main_barrier()  # the first process's values are in
 
-    def hold_state(self, state: dict[tuple[Tensor, str], Tensor], params: list[Tensor], keys: tuple[str, ...]) -> None:
-        """The optimizer state of ``params`` (each of ``keys``) in memory the node's processes share, into ``state``
-        (``CpuOptimizer.shared_state``, taken when the state is created)."""
-        tensors = self.tensors([(p.numel(), p.dtype) for p in params for _ in keys])
+    def hold_state(
+        self, state: dict[tuple[Tensor, str], Tensor], params: list[Tensor], keys: tuple[str, ...],
+        dtype_of: Callable[[Tensor], torch.dtype],
+    ) -> None:  # fmt: skip
+        """The optimizer state of ``params`` (each of ``keys``, of ``dtype_of(param)``) in memory the node's processes
+        share, into ``state`` (``CpuOptimizer.shared_state``, taken when the state is created)."""
+        tensors = self.tensors([(p.numel(), dtype_of(p)) for p in params for _ in keys])
         for i, (p, key) in enumerate((p, key) for p in params for key in keys):
             state[p, key] = tensors[i].view(p.shape)
 

@@ -99,7 +99,8 @@ class StateIO:
 
     def adopt_loaded_state(self) -> None:
         """After ``optimizer.load_state_dict``: the loaded moments go into the files (NVMe tier), or into memory of
-        their own (they may still be views of the memory-mapped checkpoint file, which would keep it alive)."""
+        their own (they may still be views of the memory-mapped checkpoint file, which would keep it alive), in the
+        state's dtype (``load_state_dict`` casts them to their parameter's)."""
         if self.optimizer is None:
             return
         store = self._store
@@ -114,4 +115,4 @@ class StateIO:
                         part.copy_(rows_of(state[key], rows))
                     state[key] = shared[p, key]
                 else:
-                    state[key] = state[key].clone()
+                    state[key] = state[key].to(self.optimizer.state_dtype_of(p), copy=True)

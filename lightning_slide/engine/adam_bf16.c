@@ -1,0 +1,77 @@
+// Adam / AdamW over fp32 parameters and gradients with the moments kept in bf16 (optimizer_state="bf16").
+//
+// The arithmetic is torch's fused Adam's, in fp32 (PyTorch aten/src/ATen/native/cpu/FusedAdamKernel.cpp: the same
+// formulas, not its code). Each moment is read from bf16, updated in fp32 and stored back with stochastic rounding:
+// with round-to-nearest, exp_avg_sq's per-step change (1 - beta2 = 0.1 %) is below half a bf16 unit (0.2 %) and would
+// be lost; rounding up with probability equal to the dropped fraction keeps the expected value exact. The random bits
+// are a hash of (seed, element index), so a step is reproducible, whatever the split among threads.
+//
+// The random bits of an element depend on its index in its whole parameter, not on how the parameter was cut (a row
+// range, or rows gathered from anywhere). Built by adam_bf16.py with -O3: the loops vectorize.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow(float f, uint32_t noise) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t finite = (u & 0x7f800000u) != 0x7f800000u;  // Inf and NaN keep their bits
+    return (uint16_t)((u + (noise & 0xffffu) * finite) >> 16);
+}
+
+static inline uint32_t mix(uint32_t x) {  // MurmurHash3's 32-bit finalizer
+    x ^= x >> 16;
+    x *= 0x85ebca6bu;
+    x ^= x >> 13;
+    x *= 0xc2b2ae35u;
+    x ^= x >> 16;
+    return x;
+}
+
+// One element: p, g fp32; m, v (and vmax with amsgrad, else NULL) bf16 bits; at its index ``at`` among the arrays,
+// ``index`` in its whole parameter. The constants come computed (adam_bf16.py), so that this code and its torch
+// reference round the same values: sign (the gradient's factor: 1 / grad_scale, negated to maximize), keep (AdamW's
+// 1 - lr * weight_decay, else 1), l2 (Adam's weight_decay, else 0), b1c = 1 - beta1, b2c = 1 - beta2,
+// step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t).
+#define ADAM_ARGS                                                                                                      \
+    float *p, const float *g, uint16_t *m, uint16_t *v, uint16_t *vmax, float sign, float keep, float l2, float b1c, \
+        float beta2, float b2c, float eps, float step_size, float inv_bias2_sqrt, uint32_t seed
+
+static inline void update(int64_t at, int64_t index, ADAM_ARGS) {
+    float grad = g[at] * sign + l2 * p[at];
+    float param = p[at] * keep;
+    float mi = widen(m[at]);
+    float vi = widen(v[at]);
+    mi = mi + b1c * (grad - mi);
+    vi = beta2 * vi + b2c * grad * grad;
+    float second = vi;
+    uint32_t bits = mix(((uint32_t)index * 0x9e3779b9u) ^ seed);
+    if (vmax) {
+        second = fmaxf(widen(vmax[at]), vi);
+        vmax[at] = narrow(second, mix(bits));
+    }
+    p[at] = param - step_size * mi / (sqrtf(second) * inv_bias2_sqrt + eps);
+    m[at] = narrow(mi, bits);
+    v[at] = narrow(vi, bits >> 16);
+}
+
+#define PASS_ARGS p, g, m, v, vmax, sign, keep, l2, b1c, beta2, b2c, eps, step_size, inv_bias2_sqrt, seed
+
+// n contiguous elements, the first at ``index0`` in its parameter
+void adam_bf16(int64_t n, int64_t index0, ADAM_ARGS) {
+    for (int64_t i = 0; i < n; i++) update(i, index0 + i, PASS_ARGS);
+}
+
+// ``count`` rows of ``width`` elements gathered from a parameter's rows ``rows``
+void adam_bf16_rows(int64_t count, int64_t width, const int64_t *rows, ADAM_ARGS) {
+    for (int64_t r = 0; r < count; r++)
+        for (int64_t c = 0; c < width; c++) update(r * width + c, rows[r] * width + c, PASS_ARGS);
+}

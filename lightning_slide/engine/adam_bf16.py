@@ -1,0 +1,189 @@
+"""Adam's moments in bf16 (``optimizer_state="bf16"``): the CPU kernel of ``adam_bf16.c``, built once with the
+machine's C compiler and called through ctypes on a few threads, and ``adam_bf16_ref``, the same arithmetic in torch
+ops (the reference of the tests, and the path of rows updated on the GPU).
+
+Half the bytes of fp32 moments in RAM and on disk, and 20 instead of 28 bytes of memory traffic per parameter and
+update (the CPU step is memory-bound). The moments are stored with stochastic rounding (``adam_bf16.c`` says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import astuple, dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("adam_bf16.c")
+# no FMA contraction: the kernel rounds each operation as torch's ops do, so adam_bf16_ref equals it bit for bit
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+MIN_PER_THREAD = 1 << 16  # elements: below this, one thread (a call costs a few microseconds)
+_GOLDEN = 0x9E3779B9
+
+
+@dataclass(frozen=True)
+class AdamArgs:
+    """One step's scalars for every tensor of a param group (``torch.optim.Adam``'s formulas), as the kernel takes
+    them: computed once here, so that the kernel and its torch reference round the same values."""
+
+    sign: float  # the gradient's factor: 1 / the clipping divisor, negated to maximize
+    keep: float  # AdamW: 1 - lr * weight_decay (the parameter shrinks); Adam: 1
+    l2: float  # Adam: weight_decay (added to the gradient); AdamW: 0
+    b1c: float  # 1 - beta1
+    beta2: float
+    b2c: float  # 1 - beta2
+    eps: float
+    step_size: float  # lr / (1 - beta1 ** step)
+    inv_bias2_sqrt: float  # 1 / sqrt(1 - beta2 ** step): torch divides by a scalar as it multiplies by its inverse
+
+    @classmethod
+    def of(cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+           maximize: bool, step: int, scale: float = 1.0) -> AdamArgs:  # fmt: skip
+        """The scalars of step ``step`` (counted from 1); ``scale`` multiplies the gradient."""
+        return cls(
+            sign=-scale if maximize else scale, keep=1.0 - lr * weight_decay if decoupled else 1.0,
+            l2=0.0 if decoupled else weight_decay, b1c=1.0 - beta1, beta2=beta2, b2c=1.0 - beta2, eps=eps,
+            step_size=lr / (1.0 - beta1**step), inv_bias2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
+        )  # fmt: skip
+
+
+def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *,
+         index0: int = 0, rows: Tensor | None = None, threads: int = 1) -> None:  # fmt: skip
+    """Update the contiguous fp32 ``p`` with the fp32 gradient ``g`` and the bf16 moments ``m``, ``v`` (``vmax``:
+    amsgrad's running maximum) in place, on up to ``threads`` threads. The rounding's random bits come from ``seed``
+    and each element's index in its whole parameter: ``p`` is the part that starts at element ``index0``, or (``rows``,
+    int64) those leading rows of it, gathered."""
+    n = p.numel()
+    tensors = (p, g, m, v) + ((vmax,) if vmax is not None else ())
+    if not all(t.is_contiguous() and t.device.type == "cpu" and t.numel() == n for t in tensors):
+        raise ValueError("adam_bf16.step takes contiguous CPU tensors of one size.")
+    if n == 0:
+        return
+    width = n // len(rows) if rows is not None else 1
+    units = len(rows) if rows is not None else n  # what the threads share: rows, or elements
+    parts = max(1, min(threads, n // MIN_PER_THREAD))
+    bounds = [units * i // parts for i in range(parts + 1)]
+    scalars = (*astuple(args), seed & 0xFFFFFFFF)
+    kernel = library()
+    rows = rows.contiguous() if rows is not None else None
+
+    def run(lo: int, hi: int) -> None:
+        start = lo * width
+        arrays = [t.data_ptr() + start * t.element_size() for t in (p, g, m, v)]
+        arrays.append(vmax.data_ptr() + start * 2 if vmax is not None else None)
+        if rows is None:
+            kernel.adam_bf16(hi - lo, index0 + lo, *arrays, *scalars)
+        else:
+            kernel.adam_bf16_rows(hi - lo, width, rows.data_ptr() + lo * 8, *arrays, *scalars)
+
+    if parts == 1:
+        run(0, units)
+        return
+    for done in [_pool(parts).submit(run, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
+        done.result()
+
+
+def adam_bf16_ref(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *,
+                  index0: int = 0, rows: Tensor | None = None) -> None:  # fmt: skip
+    """:func:`step` in torch ops, on any device: the same roundings, the same random bits."""
+    width = p.numel() // len(rows) if rows is not None else 1
+    if rows is None:
+        index = torch.arange(p.numel(), device=p.device) + index0
+    else:
+        index = (rows.to(p.device)[:, None] * width + torch.arange(width, device=p.device)).flatten()
+    index = index.view(p.shape)
+    grad = g * args.sign + p * args.l2
+    param = p * args.keep
+    mi, vi = m.float(), v.float()
+    mi = mi + (grad - mi) * args.b1c
+    vi = vi * args.beta2 + grad * args.b2c * grad
+    bits = _mix((index * _GOLDEN & 0xFFFFFFFF) ^ (seed & 0xFFFFFFFF))
+    second = vi
+    if vmax is not None:
+        second = torch.maximum(vmax.float(), vi)
+        vmax.copy_(_narrow(second, _mix(bits)))
+    root = second.double().sqrt().float()  # correctly rounded, as sqrtf (torch's float sqrt may be 1 ulp off)
+    p.copy_(param - mi * args.step_size / (root * args.inv_bias2_sqrt + args.eps))
+    m.copy_(_narrow(mi, bits))
+    v.copy_(_narrow(vi, bits >> 16))
+
+
+def _mix(x: Tensor) -> Tensor:
+    # adam_bf16.c's mix(), on uint32 values held in int64
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B & 0xFFFFFFFF
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35 & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _narrow(f: Tensor, noise: Tensor) -> Tensor:
+    # adam_bf16.c's narrow(): fp32 to bf16, rounded up with the probability of the bits dropped
+    u = f.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    finite = (u & 0x7F800000) != 0x7F800000
+    u = (u + (noise & 0xFFFF) * finite) & 0xFFFFFFFF
+    return (u >> 16).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The built kernel, built on first use into the cache directory (again when its source, the compiler's flags or
+    the processor change). Refused with what to do where no C compiler is found or the build fails."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError(
+            "optimizer_state='bf16' builds a small C kernel (lightning_slide/engine/adam_bf16.c) with the machine's C"
+            " compiler, and none was found (cc or gcc on PATH, or $CC). Install one (e.g. apt-get install gcc) or"
+            " train with optimizer_state='fp32'."
+        )
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _processor()])).hexdigest()
+    cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_slide"
+    target = cache_dir / f"adam_bf16-{key[:16]}.so"
+    if not target.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+            built = Path(scratch) / target.name
+            try:
+                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+                why = done.stderr.strip()[-1500:] if done.returncode != 0 else None
+            except OSError as err:
+                why = str(err)
+            if why is not None:
+                raise RuntimeError(
+                    f"optimizer_state='bf16' could not build its C kernel with {compiler}: {why} Train with"
+                    " optimizer_state='fp32', or point $CC at a working C compiler."
+                )
+            os.replace(built, target)  # whole, also where several processes build it at once
+    library = ctypes.CDLL(str(target))
+    pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    arguments = [pointer] * 5 + [f32] * 9 + [ctypes.c_uint32]
+    library.adam_bf16.argtypes = [i64, i64, *arguments]
+    library.adam_bf16_rows.argtypes = [i64, i64, pointer, *arguments]
+    library.adam_bf16.restype = library.adam_bf16_rows.restype = None
+    return library
+
+
+def _processor() -> bytes:
+    # what -march=native builds for: the processor's model and flags where Linux tells them
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            lines = [line for line in f.read().splitlines() if line.startswith((b"model name", b"flags"))][:2]
+    except OSError:
+        lines = []
+    return b"\n".join(lines) or platform.processor().encode()
+
+
+@cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="adam-bf16")

@@ -1,0 +1,128 @@
+"""Adam's moments in bf16 (``optimizer_state="bf16"``): the C kernel against its torch reference, the rounding's
+expectation, and training through the engine (RAM and NVMe, checkpoints) against fp32 state and plain Lightning."""
+
+import os
+
+import pytest
+import torch
+
+from helpers import CausalLM, fit, max_rel_error, tiny_config
+from lightning_slide import SlideFormerStrategy
+from lightning_slide.engine import adam_bf16
+from lightning_slide.engine.adam_bf16 import AdamArgs, adam_bf16_ref
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_the_kernel_rounds_as_its_torch_reference_bit_for_bit(decoupled, amsgrad, gathered):
+    # odd sizes, several threads, a gradient scale and maximize: every element the same bits as the reference
+    generator = torch.Generator().manual_seed(7)
+    rows, width = 4099, 37
+    p, g = (torch.randn(rows, width, generator=generator) for _ in range(2))
+    m = torch.randn(rows, width, generator=generator).bfloat16()
+    v, vmax = (torch.rand(rows, width, generator=generator).bfloat16() for _ in range(2))
+    vmax = vmax if amsgrad else None
+    args = AdamArgs.of(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=decoupled,
+                       maximize=not decoupled, step=5, scale=0.37)  # fmt: skip
+    where = dict(rows=torch.randperm(3 * rows, generator=generator)[:rows]) if gathered else dict(index0=12345)
+    ref = [t.clone() if t is not None else None for t in (p, g, m, v, vmax)]
+    adam_bf16.step(p, g, m, v, vmax, args, 99, threads=3, **where)
+    adam_bf16_ref(*ref, args, 99, **where)
+    for got, want in zip((p, m, v, vmax), (ref[0], *ref[2:])):
+        if want is not None:
+            assert torch.equal(_bits(got), _bits(want))
+    assert not torch.equal(_bits(p), _bits(g))  # the parameters moved
+
+
+def test_an_update_of_gathered_rows_is_the_whole_update_of_those_rows():
+    # the embedding's touched rows are updated gathered (rows.py): the same random bits as in the whole matrix
+    generator = torch.Generator().manual_seed(0)
+    p, g = (torch.randn(50, 64, generator=generator) for _ in range(2))
+    m, v = torch.randn(50, 64, generator=generator).bfloat16(), torch.rand(50, 64, generator=generator).bfloat16()
+    args = AdamArgs.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False,
+                       step=2)  # fmt: skip
+    index = torch.tensor([3, 17, 42])
+    rows = [t[index].clone() for t in (p, g, m, v)]
+    adam_bf16.step(*rows, None, args, 5, rows=index)
+    adam_bf16.step(p, g, m, v, None, args, 5)
+    for got, whole in zip((rows[0], rows[2], rows[3]), (p, m, v)):
+        assert torch.equal(_bits(got), _bits(whole[index]))
+
+
+def test_stochastic_rounding_keeps_the_second_moment_moving():
+    # v = 0.999 v + 0.001 g^2 changes by 0.1 % a step, less than half a bf16 unit: rounded to nearest it would never
+    # move from 1.0 towards g^2 = 2; rounded stochastically its mean follows fp32's
+    n, steps = 1 << 16, 200
+    p, g = torch.zeros(n), torch.full((n,), 2.0**0.5)
+    m, v = torch.zeros(n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)
+    exact = torch.ones(())
+    for step in range(1, steps + 1):
+        args = AdamArgs.of(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
+                           maximize=False, step=step)  # fmt: skip
+        adam_bf16.step(p, g, m, v, None, args, seed=step)
+        exact = exact * 0.999 + 0.001 * 2.0
+    assert float(exact) > 1.18  # it moved ~0.18 over the steps: far more than a bf16 unit near 1 (0.0078)
+    assert abs(v.float().mean() - exact) / exact < 1e-3
+    nearest = torch.ones((), dtype=torch.bfloat16)
+    for _ in range(steps):
+        nearest = (nearest.float() * 0.999 + 0.001 * 2.0).bfloat16()
+    assert float(nearest) == 1.0  # what rounding to nearest would have kept
+
+
+def test_training_with_bf16_state_stays_near_fp32_state_and_keeps_bf16_moments():
+    module = CausalLM(tiny_config("llama"))
+    kwargs = dict(steps=8, gradient_clip_val=0.5)
+    ref, _ = fit(module, "auto", **kwargs)
+    fp32, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
+    ours, trained = fit(module, SlideFormerStrategy(num_slots=2, optimizer_state="bf16"), **kwargs)
+    start = {k: v.float() for k, v in module.state_dict().items()}
+    moved = max_rel_error(ref, start)[0]
+    assert max_rel_error(fp32, ref)[0] < 1e-5
+    err, where = max_rel_error(ours, ref)
+    assert 0 < err < 0.02 * moved, f"{where}: {err:.2e} (the update: {moved:.2e})"
+    states = trained.trainer.optimizers[0].state.values()
+    assert {s["exp_avg"].dtype for s in states} == {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
+
+
+def test_bf16_state_on_nvme_trains_as_in_ram_and_resumes_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = CausalLM(tiny_config("llama"))
+    ram, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_state="bf16"), steps=8)
+    (tmp_path / "nvme").mkdir()
+
+    def nvme() -> SlideFormerStrategy:
+        return SlideFormerStrategy(num_slots=2, optimizer_state="bf16", optimizer_offload="nvme",
+                                   nvme_path=str(tmp_path / "nvme"))  # fmt: skip
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    disk, _ = fit(module, nvme(), steps=8, enable_checkpointing=True, callbacks=[saver])
+    assert all(torch.equal(disk[k], ram[k]) for k in ram)  # the same kernel, the same random bits
+    checkpoint = next((tmp_path / "ckpt").glob("*step=4.ckpt"))  # an epoch's end: 4 steps of the test data
+    refs = torch.load(checkpoint / "checkpoint.pt", weights_only=True)["optimizer_states"][0]["state"]
+    assert {ref["exp_avg"]["dtype"] for ref in refs.values()} == {"bfloat16"}  # half the bytes in the state files
+    resumed, _ = fit(module, nvme(), steps=8, ckpt_path=str(checkpoint))
+    assert all(torch.equal(resumed[k], ram[k]) for k in ram)
+    resumed_in_ram, _ = fit(module, SlideFormerStrategy(num_slots=2, optimizer_state="bf16"), steps=8,
+                            ckpt_path=str(checkpoint))  # fmt: skip
+    assert all(torch.equal(resumed_in_ram[k], ram[k]) for k in ram)
+
+
+def test_bf16_state_is_refused_for_sgd_and_without_a_compiler(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="SGD's momentum stays fp32"):
+        fit(CausalLM(tiny_config("llama"), optimizer="sgd"), SlideFormerStrategy(optimizer_state="bf16"), steps=1)
+    with pytest.raises(ValueError, match="optimizer_state must be 'fp32' or 'bf16'"):
+        SlideFormerStrategy(optimizer_state="fp16")
+    adam_bf16.library.cache_clear()
+    monkeypatch.setenv("CC", os.path.join(os.sep, "nonexistent", "cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no kernel built before
+    try:
+        with pytest.raises(RuntimeError, match="could not build its C kernel"):
+            SlideFormerStrategy(optimizer_state="bf16")
+    finally:
+        adam_bf16.library.cache_clear()
