@@ -2,8 +2,8 @@
 PCIe copies run in both directions, and whole tensors vs 8M-element chunks. ``--widen`` instead compares fp32
 gradients with bf16 ones widened to fp32 a chunk at a time (the "forward" schedule's bf16 retained gradients), for
 several chunk sizes. ``--state`` compares fp32 moments (torch's fused AdamW) with bf16 ones (``optimizer_state="bf16"``:
-``lightning_slide/engine/adam_bf16.py``), on the same pinned parameters, alone and under PCIe load
-(``results/cpu_adam_state.csv``; the rate ``rates.Rates.cpu_bf16_params_per_s`` is fitted to it).
+``lightning_slide/engine/adam_bf16.py``) through the engine's ``CpuOptimizer``, chunk by chunk as the engine updates,
+on the same pinned parameters, alone and under PCIe load (``results/cpu_adam_state.csv``).
 
     python benchmarks/bench_cpu_adam.py --params 1e9
     python benchmarks/bench_cpu_adam.py --params 1e9 --widen
@@ -54,32 +54,39 @@ def widen(n: int, threads: int, common: dict, out: str) -> None:
             measure(out, {**common, "memory": "pinned"}, params, [g.to(dtype) for g in grads], threads, chunk, load)
 
 
-def bf16_state_time(params, grads, threads: int, repeats: int = 3) -> float:
-    """Median time of AdamW with bf16 moments (the engine's kernel) over ``params``, whole tensors."""
-    from lightning_slide.engine import adam_bf16
+def engine_time(params, grads, state: torch.dtype, threads: int, repeats: int = 3) -> float:
+    """Median time of the engine's CPU update (``CpuOptimizer``, AdamW, moments in ``state``) over ``params``, as
+    the engine runs it: chunks of 8M elements, each gradient first copied into a landing buffer."""
+    from lightning_slide.engine.optim import CpuOptimizer
 
-    states = [(torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16)) for p in params]
+    optimizer = CpuOptimizer(torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01), state)
+    hypers = optimizer.snapshot()[0]
+    landing = torch.empty(CHUNK, pin_memory=torch.cuda.is_available())
+    torch.set_num_threads(threads)
     times = []
-    for step in range(1, repeats + 2):
-        args = adam_bf16.AdamArgs.of(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True,
-                                     maximize=False, step=step)  # fmt: skip
+    for _ in range(repeats + 1):
         start = time.perf_counter()
-        for i, (p, g, (m, v)) in enumerate(zip(params, grads, states)):
-            adam_bf16.step(p, g, m, v, None, args, seed=i, threads=threads)
+        for p, g in zip(params, grads):
+            optimizer.begin(p, hypers)
+            for lo in range(0, p.numel(), CHUNK):
+                grad = landing[: min(CHUNK, p.numel() - lo)].copy_(g[lo : lo + CHUNK])
+                optimizer.update([p], [grad], hypers, rows=[slice(lo, lo + len(grad))])
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
+
+
+CHUNK = 1 << 23  # the engine's transfer chunk (EngineConfig.chunk_numel)
 
 
 def state_dtypes(n: int, threads: int, common: dict, out: str) -> None:
     params = [torch.randn(n, pin_memory=True) for _ in range(4)]
     grads = [torch.randn(n, pin_memory=True) * 1e-3 for _ in range(4)]
     for load in (False, True):
-        for state in ("float32", "bfloat16", "bfloat16", "float32"):  # both orders: drift shows as a difference
+        for state in (torch.float32, torch.bfloat16, torch.bfloat16, torch.float32):  # both orders: drift shows
             with PcieLoad() if load else contextlib.nullcontext() as pcie:
-                t = bf16_state_time(params, grads, threads) if state == "bfloat16" else adam_time(
-                    params, grads, threads, None)  # fmt: skip
-            append_row(out, {**common, "memory": "pinned", "state": state,
-                             "pcie_load_gbps": round(pcie.gbps, 1) if load else 0.0, "seconds": t,
+                t = engine_time(params, grads, state, threads)
+            append_row(out, {**common, "memory": "pinned", "state": str(state).removeprefix("torch."),
+                             "chunk": CHUNK, "pcie_load_gbps": round(pcie.gbps, 1) if load else 0.0, "seconds": t,
                              "gparams_per_s": sum(p.numel() for p in params) / t / 1e9})  # fmt: skip
 
 

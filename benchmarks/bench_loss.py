@@ -2,8 +2,9 @@
 
 The quickstart recipe widened (hidden 1024, 8 blocks: 0.1 B parameters) on the built-in corpus, bf16-mixed: plain
 Lightning (``--trainer.strategy auto``), ``strategy="slideformer"`` as it places the model (on a large GPU: whole on
-the device), the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU), and
-plain Lightning in fp32, the reference the bf16 runs are judged against.
+the device), the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU), streamed
+with ``optimizer_state="bf16"``, and plain Lightning in fp32, the reference the bf16 runs are judged against (each
+run's root-mean-square distance to it is printed last).
 Each run is a fresh ``slide fit`` process; ``train/loss`` is logged every 5 steps. Appends one CSV row per logged
 step to --out (``plots.py`` draws them).
 
@@ -28,6 +29,10 @@ SYSTEMS = {  # name: (`slide fit` overrides, precision; None: --precision)
     "plain": (["--trainer.strategy", "auto"], None),
     "slideformer": ([], None),
     "slideformer_stream": (["--trainer.strategy.init_args.placement", "stream"], None),
+    "slideformer_stream_bf16_state": (
+        ["--trainer.strategy.init_args.placement", "stream", "--trainer.strategy.init_args.optimizer_state", "bf16"],
+        None,
+    ),
     "plain_fp32": (["--trainer.strategy", "auto"], "32-true"),
 }
 MODEL = ["--model.config.hidden_size", "1024", "--model.config.intermediate_size", "2816",
@@ -59,12 +64,20 @@ def main() -> None:
     )
     args = parser.parse_args()
     env = environment() if args.accelerator == "gpu" else {"date": datetime.date.today().isoformat(), "gpu": "none"}
+    curves = {}
     for system in args.systems.split(","):
         precision = SYSTEMS[system][1] or args.precision
         with tempfile.TemporaryDirectory() as root:
-            for step, loss in run(system, args.steps, precision, args.accelerator, root):
-                append_row(args.out, {**env, "model": "quickstart-1024x8", "precision": precision,
-                                      "system": system, "step": step, "train_loss": loss})  # fmt: skip
+            curves[system] = dict(run(system, args.steps, precision, args.accelerator, root))
+        for step, loss in curves[system].items():
+            append_row(args.out, {**env, "model": "quickstart-1024x8", "precision": precision,
+                                  "system": system, "step": step, "train_loss": loss})  # fmt: skip
+    if "plain_fp32" in curves:
+        print("root-mean-square distance of train/loss to plain_fp32's:")
+        for system, curve in curves.items():
+            steps = sorted(set(curve) & set(curves["plain_fp32"]))
+            rms = (sum((curve[s] - curves["plain_fp32"][s]) ** 2 for s in steps) / len(steps)) ** 0.5
+            print(f"  {system:<32} {rms:.4f} over {len(steps)} logged steps")
 
 
 if __name__ == "__main__":

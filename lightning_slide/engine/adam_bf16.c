@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#define MIN_PARALLEL (1 << 16)  // elements: fewer run on the calling thread (a parallel region costs microseconds)
+
 static inline float widen(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -36,16 +38,18 @@ static inline uint32_t mix(uint32_t x) {  // MurmurHash3's 32-bit finalizer
     return x;
 }
 
-// One element: p, g fp32; m, v (and vmax with amsgrad, else NULL) bf16 bits; at its index ``at`` among the arrays,
-// ``index`` in its whole parameter. The constants come computed (adam_bf16.py), so that this code and its torch
-// reference round the same values: sign (the gradient's factor: 1 / grad_scale, negated to maximize), keep (AdamW's
-// 1 - lr * weight_decay, else 1), l2 (Adam's weight_decay, else 0), b1c = 1 - beta1, b2c = 1 - beta2,
-// step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t).
-#define ADAM_ARGS                                                                                                      \
-    float *p, const float *g, uint16_t *m, uint16_t *v, uint16_t *vmax, float sign, float keep, float l2, float b1c, \
-        float beta2, float b2c, float eps, float step_size, float inv_bias2_sqrt, uint32_t seed
+// One element: p, g fp32; m, v (and vmax with amsgrad) bf16 bits; at its index ``at`` among the arrays, ``index`` in
+// its whole parameter. The constants come computed (adam_bf16.py), so that this code and its torch reference round the
+// same values: sign (the gradient's factor: 1 / grad_scale, negated to maximize), keep (AdamW's 1 - lr * weight_decay,
+// else 1), l2 (Adam's weight_decay, else 0), b1c = 1 - beta1, b2c = 1 - beta2, step_size = lr / (1 - beta1^t),
+// inv_bias2_sqrt = 1 / sqrt(1 - beta2^t). ``amsgrad`` is a constant where it is inlined: each loop vectorizes.
+#define ARRAYS float *restrict p, const float *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
+               uint16_t *restrict vmax
+#define SCALARS float sign, float keep, float l2, float b1c, float beta2, float b2c, float eps, float step_size, \
+                float inv_bias2_sqrt, uint32_t seed
+#define PASS p, g, m, v, vmax, sign, keep, l2, b1c, beta2, b2c, eps, step_size, inv_bias2_sqrt, seed
 
-static inline void update(int64_t at, int64_t index, ADAM_ARGS) {
+static inline void update(int64_t at, int64_t index, const int amsgrad, ARRAYS, SCALARS) {
     float grad = g[at] * sign + l2 * p[at];
     float param = p[at] * keep;
     float mi = widen(m[at]);
@@ -54,8 +58,9 @@ static inline void update(int64_t at, int64_t index, ADAM_ARGS) {
     vi = beta2 * vi + b2c * grad * grad;
     float second = vi;
     uint32_t bits = mix(((uint32_t)index * 0x9e3779b9u) ^ seed);
-    if (vmax) {
-        second = fmaxf(widen(vmax[at]), vi);
+    if (amsgrad) {
+        float most = widen(vmax[at]);
+        second = most > vi ? most : vi;  // torch.maximum's but for a NaN already stored (fmaxf does not vectorize)
         vmax[at] = narrow(second, mix(bits));
     }
     p[at] = param - step_size * mi / (sqrtf(second) * inv_bias2_sqrt + eps);
@@ -63,15 +68,27 @@ static inline void update(int64_t at, int64_t index, ADAM_ARGS) {
     v[at] = narrow(vi, bits >> 16);
 }
 
-#define PASS_ARGS p, g, m, v, vmax, sign, keep, l2, b1c, beta2, b2c, eps, step_size, inv_bias2_sqrt, seed
-
-// n contiguous elements, the first at ``index0`` in its parameter
-void adam_bf16(int64_t n, int64_t index0, ADAM_ARGS) {
-    for (int64_t i = 0; i < n; i++) update(i, index0 + i, PASS_ARGS);
+// n contiguous elements, the first at ``index0`` in its parameter; vmax NULL without amsgrad. ``threads``: OpenMP's,
+// torch's own runtime where it ships one (adam_bf16.py links it): idle torch threads spinning beside a second pool of
+// threads slowed the update by a third.
+void adam_bf16(int64_t n, int64_t index0, int threads, ARRAYS, SCALARS) {
+    if (vmax) {
+#pragma omp parallel for simd schedule(static) num_threads(threads) if (n >= MIN_PARALLEL)
+        for (int64_t i = 0; i < n; i++) update(i, index0 + i, 1, PASS);
+    } else {
+#pragma omp parallel for simd schedule(static) num_threads(threads) if (n >= MIN_PARALLEL)
+        for (int64_t i = 0; i < n; i++) update(i, index0 + i, 0, PASS);
+    }
 }
 
 // ``count`` rows of ``width`` elements gathered from a parameter's rows ``rows``
-void adam_bf16_rows(int64_t count, int64_t width, const int64_t *rows, ADAM_ARGS) {
-    for (int64_t r = 0; r < count; r++)
-        for (int64_t c = 0; c < width; c++) update(r * width + c, rows[r] * width + c, PASS_ARGS);
+void adam_bf16_rows(int64_t count, int64_t width, const int64_t *restrict rows, int threads, ARRAYS, SCALARS) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (count * width >= MIN_PARALLEL)
+    for (int64_t r = 0; r < count; r++) {
+        int64_t at = r * width, index = rows[r] * width;
+        if (vmax)
+            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 1, PASS);
+        else
+            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 0, PASS);
+    }
 }

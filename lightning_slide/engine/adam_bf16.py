@@ -1,6 +1,6 @@
 """Adam's moments in bf16 (``optimizer_state="bf16"``): the CPU kernel of ``adam_bf16.c``, built once with the
-machine's C compiler and called through ctypes on a few threads, and ``adam_bf16_ref``, the same arithmetic in torch
-ops (the reference of the tests, and the path of rows updated on the GPU).
+machine's C compiler (its threads from torch's OpenMP runtime) and called through ctypes, and ``adam_bf16_ref``, the
+same arithmetic in torch ops (the reference of the tests, and the path of rows updated on the GPU).
 
 Half the bytes of fp32 moments in RAM and on disk, and 20 instead of 28 bytes of memory traffic per parameter and
 update (the CPU step is memory-bound). The moments are stored with stochastic rounding (``adam_bf16.c`` says why).
@@ -16,7 +16,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass
 from functools import cache
 from pathlib import Path
@@ -26,8 +25,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("adam_bf16.c")
 # no FMA contraction: the kernel rounds each operation as torch's ops do, so adam_bf16_ref equals it bit for bit
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
-MIN_PER_THREAD = 1 << 16  # elements: below this, one thread (a call costs a few microseconds)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 _GOLDEN = 0x9E3779B9
 
 
@@ -69,28 +67,15 @@ def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: 
         raise ValueError("adam_bf16.step takes contiguous CPU tensors of one size.")
     if n == 0:
         return
-    width = n // len(rows) if rows is not None else 1
-    units = len(rows) if rows is not None else n  # what the threads share: rows, or elements
-    parts = max(1, min(threads, n // MIN_PER_THREAD))
-    bounds = [units * i // parts for i in range(parts + 1)]
+    arrays = [t.data_ptr() for t in (p, g, m, v)] + [vmax.data_ptr() if vmax is not None else None]
     scalars = (*astuple(args), seed & 0xFFFFFFFF)
-    kernel = library()
-    rows = rows.contiguous() if rows is not None else None
-
-    def run(lo: int, hi: int) -> None:
-        start = lo * width
-        arrays = [t.data_ptr() + start * t.element_size() for t in (p, g, m, v)]
-        arrays.append(vmax.data_ptr() + start * 2 if vmax is not None else None)
-        if rows is None:
-            kernel.adam_bf16(hi - lo, index0 + lo, *arrays, *scalars)
-        else:
-            kernel.adam_bf16_rows(hi - lo, width, rows.data_ptr() + lo * 8, *arrays, *scalars)
-
-    if parts == 1:
-        run(0, units)
-        return
-    for done in [_pool(parts).submit(run, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
-        done.result()
+    if rows is None:
+        library().adam_bf16(n, index0, threads, *arrays, *scalars)
+    else:
+        if rows.dtype != torch.int64 or rows.device.type != "cpu":
+            raise ValueError("adam_bf16.step takes the rows as int64 on the CPU.")
+        rows = rows.contiguous()
+        library().adam_bf16_rows(len(rows), n // len(rows), rows.data_ptr(), threads, *arrays, *scalars)
 
 
 def adam_bf16_ref(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *,
@@ -147,16 +132,23 @@ def library() -> ctypes.CDLL:
             " train with optimizer_state='fp32'."
         )
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _processor()])).hexdigest()
+    runtime = _openmp_runtime()
+    key = b"\0".join([source, compiler.encode(), " ".join(FLAGS + runtime).encode(), _processor()])
     cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_slide"
-    target = cache_dir / f"adam_bf16-{key[:16]}.so"
+    target = cache_dir / f"adam_bf16-{hashlib.sha256(key).hexdigest()[:16]}.so"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
-            built = Path(scratch) / target.name
+            built, objects = Path(scratch) / target.name, Path(scratch) / "adam_bf16.o"
+            commands = [[compiler, *FLAGS, "-fopenmp", "-fPIC", "-c", str(SOURCE), "-o", str(objects)],
+                        [compiler, "-shared", str(objects), *runtime, "-o", str(built)]]  # fmt: skip
+            why = None
             try:
-                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
-                why = done.stderr.strip()[-1500:] if done.returncode != 0 else None
+                for command in commands:
+                    done = subprocess.run(command, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        why = done.stderr.strip()[-1500:]
+                        break
             except OSError as err:
                 why = str(err)
             if why is not None:
@@ -167,11 +159,19 @@ def library() -> ctypes.CDLL:
             os.replace(built, target)  # whole, also where several processes build it at once
     library = ctypes.CDLL(str(target))
     pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    arguments = [pointer] * 5 + [f32] * 9 + [ctypes.c_uint32]
+    arguments = [ctypes.c_int] + [pointer] * 5 + [f32] * 9 + [ctypes.c_uint32]
     library.adam_bf16.argtypes = [i64, i64, *arguments]
     library.adam_bf16_rows.argtypes = [i64, i64, pointer, *arguments]
     library.adam_bf16.restype = library.adam_bf16_rows.restype = None
     return library
+
+
+def _openmp_runtime() -> tuple[str, ...]:
+    # the link flags of torch's own OpenMP runtime, where its wheel ships one: the kernel's threads are then torch's (a
+    # second runtime's threads would compete with torch's, which spin between its operations); else the compiler's
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(str(f) for f in lib.glob("libgomp*.so*"))
+    return (found[0], f"-Wl,-rpath,{lib}") if found else ("-lgomp",)
 
 
 def _processor() -> bytes:
@@ -182,8 +182,3 @@ def _processor() -> bytes:
     except OSError:
         lines = []
     return b"\n".join(lines) or platform.processor().encode()
-
-
-@cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="adam-bf16")
