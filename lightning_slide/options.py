@@ -1,5 +1,5 @@
-"""The strategy's options: each value it cannot take refused with what would do (``check_options``), and the choices
-the engine carries out, resolved (``EngineOptions``)."""
+"""The strategy's options: each value it cannot take refused with what would do (``check_options``), the choices the
+engine carries out, resolved (``EngineOptions``), and the run a plan is made for (``Run``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.optim import Optimizer
+
 from .engine import EngineConfig, adam_bf16
 from .engine.shared_host import SharedHost
 from .engine.world import DataParallel
+from .models import Layout
 
 SCHEDULES = ("auto", "backward", "forward", "norm-first")
 PLACEMENTS = ("auto", "stream")
@@ -32,6 +38,23 @@ class EngineOptions:
     config: EngineConfig
     world: DataParallel | None = None  # more than one process: their gradients averaged
     shared: SharedHost | None = None  # more than one process on the node: they hold the state once
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a plan is made for: the module and its parts, where and in what dtype it computes, its optimizer, update
+    schedule and trainer, the strategy's choices, and the element sizes parameters will be stored with on the host
+    where they differ from now."""
+
+    module: LightningModule
+    layout: Layout
+    device: torch.device
+    dtype: torch.dtype
+    optimizer: Optimizer | None
+    schedule: str
+    trainer: Any
+    options: EngineOptions
+    stored: dict[nn.Parameter, int]
 
 
 def check_options(

@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
 from torch.optim import Optimizer
 
@@ -32,29 +31,12 @@ from .engine.planner import (
 from .engine.tiling import gated_mlp
 from .engine.units import Unit, in_forward_order
 from .models import Layout
-from .options import EngineOptions
+from .options import Run
 from .rates import Rates, Work, predict_step_s
 from .schedule import hooks_read_grads, norm_first_refusal
 from .tier import Tier, choose_tier, loss_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Run:
-    """What a plan is made for: the module and its parts, where and in what dtype it computes, its optimizer, update
-    schedule and trainer, the strategy's choices, and the element sizes parameters will be stored with on the host
-    where they differ from now."""
-
-    module: LightningModule
-    layout: Layout
-    device: torch.device
-    dtype: torch.dtype
-    optimizer: Optimizer | None
-    schedule: str
-    trainer: Any
-    options: EngineOptions
-    stored: dict[nn.Parameter, int]
 
 
 def choose_engine(

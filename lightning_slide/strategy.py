@@ -31,8 +31,8 @@ from .engine.state_dirs import sweep_stale_state
 from .model_switches import install_loss, switch_model
 from .models import Layout, find_layout
 from .oom import explain_oom
-from .options import EngineOptions, check_options
-from .placement import Machine, Plan, Run, make_plan
+from .options import EngineOptions, Run, check_options
+from .placement import Machine, Plan, make_plan
 from .precision import SlideFormerPrecision, Storage
 from .processes import Processes
 from .rates import Rates

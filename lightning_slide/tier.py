@@ -4,7 +4,6 @@ training puts on the device at the tokens per batch (``choose_tier``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,9 +17,7 @@ from .engine.planner import (
     usable_device_bytes,
 )
 from .models import Layout
-
-if TYPE_CHECKING:
-    from .placement import Run
+from .options import Run
 
 
 @dataclass(frozen=True)

@@ -437,6 +437,47 @@ def test_bad_input_is_one_clear_message_and_a_nonzero_exit(tmp_path, capsys, ove
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("empty data", "empty.jsonl holds no documents."),
+        ("no blocks", "could not find the stack of transformer blocks"),
+        ("no data extra", "are read with the `datasets` library: pip install 'lightning-slide[data]'."),
+    ],
+)
+def test_a_refusal_during_fit_is_one_line_not_a_traceback(tmp_path, capsys, monkeypatch, case, message):
+    # what the package refuses once fit has begun (the data, the model's shape): `slide fit: <why>`, exit status 1
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "rows.csv").write_text("text\nhello\n")
+    override = {
+        "empty data": ["--data.path", str(tmp_path / "empty.jsonl")],
+        "no blocks": ["--model.config.num_hidden_layers", "0"],
+        "no data extra": ["--data.path", str(tmp_path / "rows.csv")],
+    }[case]
+    if case == "no data extra":
+        monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    args = ["fit", "--config", os.path.join(ROOT, "recipes", "quickstart.yaml"), "--trainer.max_steps", "1",
+            "--trainer.default_root_dir", str(tmp_path / "run"), *override]  # fmt: skip
+    with pytest.raises(SystemExit) as info:
+        slide(args)
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (said,) = [line for line in err.splitlines() if line.startswith("slide fit: ")]
+    assert message in said
+
+
+def test_the_plan_of_a_cpu_run_names_the_cpu_and_no_unread_tokens(caplog):
+    from helpers import CausalLM, fit, tiny_config
+
+    with caplog.at_level("INFO", logger="lightning_slide.strategy"):
+        fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(num_slots=2), steps=1)
+    (line,) = [x for x in caplog.text.splitlines() if "placement: stream" in x]
+    assert "device (cpu)" in line
+    assert "GPU" not in line
+    assert "tokens per batch: None" not in line
+
+
 # ---- checkpoints and export ---------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -23,9 +23,6 @@ from .activations import ActivationStash
 from .guard import Guard, Key, Site, extra_outputs, submodule_outputs
 from .rows import Contribution, Rows
 from .units import Unit, alias, swapped
-
-if TYPE_CHECKING:
-    from .embedding import EmbeddingRows
 
 
 class UnitHost(Protocol):
@@ -67,6 +64,16 @@ def recomputed(forward, *args, **kwargs) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+class RowsHost(Protocol):
+    """What the embedding's node needs from the embedding's rows (``embedding.EmbeddingRows`` is one)."""
+
+    unit: Unit
+
+    def gather(self, ids: Tensor, *, training: bool = False) -> tuple[Tensor, Tensor, Tensor]: ...
+
+    def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None: ...
 
 
 def run_unit(engine: UnitHost, unit: Unit, args: tuple, kwargs: dict) -> Any:
@@ -209,7 +216,7 @@ class EmbeddingRowsFunction(Function):
     managed_node = True  # guard.py: a node of a streamed module
 
     @staticmethod
-    def forward(ctx, rows: EmbeddingRows, ids: Tensor, dummy: Tensor) -> Tensor:
+    def forward(ctx, rows: RowsHost, ids: Tensor, dummy: Tensor) -> Tensor:
         index, inverse, values = rows.gather(ids, training=True)
         ctx.rows = rows
         ctx.save_for_backward(index, inverse)
@@ -218,7 +225,7 @@ class EmbeddingRowsFunction(Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[None, ...]:
         index, inverse = ctx.saved_tensors
-        rows: EmbeddingRows = ctx.rows
+        rows: RowsHost = ctx.rows
         width = grad.shape[-1]
         # NOTE: the op plain nn.Embedding's backward runs, on the positions among the distinct ids: its CUDA kernel
         # sums each row's contributions in a fixed order (index_add_ adds with atomics: runs differ in the last bits)
