@@ -46,14 +46,13 @@ class CpuOptimizer:
 
     Args:
         optimizer: the user's optimizer; its parameters are the fp32 masters in CPU memory.
+        state_dtype: the dtype of Adam's moments of fp32 parameters (``torch.bfloat16``: ``adam_bf16.py``); a
+            parameter of another dtype has state of its own dtype, as torch's optimizers make it.
 
     With a ``store`` (the NVMe tier, set by the engine), Adam's moments live there instead of in
     ``optimizer.state``, which then keeps only each parameter's step count; updates then run block by block of
     the store's rows, each block's moments read before and written after. A parameter whose fp32 master is in the
     store too holds a compute-dtype copy: the update runs on the block's master, then rounds it into the copy.
-
-        state_dtype: the dtype of Adam's moments of fp32 parameters (``torch.bfloat16``: ``adam_bf16.py``); a
-            parameter of another dtype has state of its own dtype, as torch's optimizers make it.
 
     Raises:
         TypeError: for any other optimizer class (subclasses included: their ``step`` may differ).
