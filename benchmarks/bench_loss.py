@@ -1,14 +1,17 @@
 """Loss curves (GPU machine): the same training with and without the strategy, as ``slide fit`` runs it.
 
-The quickstart recipe widened (hidden 1024, 8 blocks: 0.1 B parameters) on the built-in corpus, bf16-mixed: plain
+The quickstart recipe widened (hidden 1024, 8 blocks: 0.1 B parameters; ``--model quickstart``: as it is, for a CPU
+run) on the built-in corpus, bf16-mixed: plain
 Lightning (``--trainer.strategy auto``), ``strategy="slideformer"`` as it places the model (on a large GPU: whole on
 the device), the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU), streamed
-with ``optimizer_state="bf16"``, and plain Lightning in fp32, the reference the bf16 runs are judged against (each
-run's root-mean-square distance to it is printed last).
+with ``optimizer_state="bf16"``, streamed with every block's update a step late (``delayed_update=True``: the default
+warmup of exact steps, and one; with and without the bf16 state), and plain Lightning in fp32, the reference the bf16
+runs are judged against (each run's root-mean-square distance to it is printed last).
 Each run is a fresh ``slide fit`` process; ``train/loss`` is logged every 5 steps. Appends one CSV row per logged
 step to --out (``plots.py`` draws them).
 
     python benchmarks/bench_loss.py --out benchmarks/results/loss.csv
+    python benchmarks/bench_loss.py --model quickstart --accelerator cpu   # the recipe's model, on the CPU
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import tempfile
 from results_csv import append_row, environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# every block's update a step late (the plan alone would delay none of so small a model): the delay at its largest
+STREAM_DELAYED = ["--trainer.strategy.init_args.placement", "stream", "--trainer.strategy.init_args.delayed_update",
+                  "true", "--trainer.strategy.init_args.engine.delayed_blocks", "{layers}"]  # fmt: skip
 SYSTEMS = {  # name: (`slide fit` overrides, precision; None: --precision)
     "plain": (["--trainer.strategy", "auto"], None),
     "slideformer": ([], None),
@@ -33,20 +39,30 @@ SYSTEMS = {  # name: (`slide fit` overrides, precision; None: --precision)
         ["--trainer.strategy.init_args.placement", "stream", "--trainer.strategy.init_args.optimizer_state", "bf16"],
         None,
     ),
+    "slideformer_stream_delayed": (STREAM_DELAYED, None),
+    "slideformer_stream_delayed_bf16_state": (
+        STREAM_DELAYED + ["--trainer.strategy.init_args.optimizer_state", "bf16"],
+        None,
+    ),
+    "slideformer_stream_delayed_warmup1": (STREAM_DELAYED + ["--trainer.strategy.init_args.delay_warmup", "1"], None),
     "plain_fp32": (["--trainer.strategy", "auto"], "32-true"),
 }
-MODEL = ["--model.config.hidden_size", "1024", "--model.config.intermediate_size", "2816",
-         "--model.config.num_hidden_layers", "8", "--model.config.num_attention_heads", "16",
-         "--model.config.num_key_value_heads", "4"]  # fmt: skip
+MODELS = {  # name: (`slide fit` overrides, blocks)
+    "quickstart-1024x8": (["--model.config.hidden_size", "1024", "--model.config.intermediate_size", "2816",
+                           "--model.config.num_hidden_layers", "8", "--model.config.num_attention_heads", "16",
+                           "--model.config.num_key_value_heads", "4"], 8),
+    "quickstart": ([], 4),  # the recipe's own model (hidden 128): a CPU run
+}  # fmt: skip
 
 
-def run(system: str, steps: int, precision: str, accelerator: str, root: str) -> list[tuple[int, float]]:
+def run(system: str, model: str, steps: int, precision: str, accelerator: str, root: str) -> list[tuple[int, float]]:
     """``slide fit`` of one system; its (step, train/loss) points."""
     recipe = os.path.join(ROOT, "recipes", "quickstart.yaml")
     command = [sys.executable, "-m", "lightning_slide", "fit", "--config", recipe, "--trainer.max_steps", str(steps),
                "--trainer.log_every_n_steps", "5", "--trainer.val_check_interval", str(steps), "--trainer.precision",
                precision, "--trainer.accelerator", accelerator, "--trainer.default_root_dir", root,
-               "--trainer.enable_progress_bar", "false", *MODEL, *SYSTEMS[system][0]]  # fmt: skip
+               "--trainer.enable_progress_bar", "false", *MODELS[model][0]]  # fmt: skip
+    command += [arg.format(layers=MODELS[model][1]) for arg in SYSTEMS[system][0]]
     subprocess.run(command, check=True)
     (metrics,) = glob.glob(os.path.join(root, "lightning_logs", "*", "metrics.csv"))
     with open(metrics) as f:
@@ -59,6 +75,7 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--model", choices=list(MODELS), default="quickstart-1024x8")
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loss.csv")
     )
@@ -68,9 +85,9 @@ def main() -> None:
     for system in args.systems.split(","):
         precision = SYSTEMS[system][1] or args.precision
         with tempfile.TemporaryDirectory() as root:
-            curves[system] = dict(run(system, args.steps, precision, args.accelerator, root))
+            curves[system] = dict(run(system, args.model, args.steps, precision, args.accelerator, root))
         for step, loss in curves[system].items():
-            append_row(args.out, {**env, "model": "quickstart-1024x8", "precision": precision,
+            append_row(args.out, {**env, "model": args.model, "precision": precision,
                                   "system": system, "step": step, "train_loss": loss})  # fmt: skip
     if "plain_fp32" in curves:
         print("root-mean-square distance of train/loss to plain_fp32's:")

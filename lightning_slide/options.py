@@ -12,10 +12,12 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.optim import Optimizer
 
-from .engine import EngineConfig, adam_bf16
+from .checkpoint_io import SlideCheckpointIO
+from .engine import EngineConfig, SlideEngine, adam_bf16
 from .engine.shared_host import SharedHost
 from .engine.world import DataParallel
 from .models import Layout
+from .precision import Storage
 
 SCHEDULES = ("auto", "backward", "forward", "norm-first")
 PLACEMENTS = ("auto", "stream")
@@ -36,6 +38,8 @@ class EngineOptions:
     nvme_path: str | None
     nvme_masters: bool
     config: EngineConfig
+    delayed_update: bool = False  # the first blocks' updates a step late (engine/delay.py)
+    delay_warmup: int = 1  # exact steps before the delay
     world: DataParallel | None = None  # more than one process: their gradients averaged
     shared: SharedHost | None = None  # more than one process on the node: they hold the state once
 
@@ -61,6 +65,7 @@ def check_options(
     *, num_slots: Any, update_schedule: Any, on_nonfinite: Any, cpu_threads: Any, attention: Any, fused_ops: Any,
     engine: Any, offload_activations: Any, placement: Any, device_memory_gib: Any, tokens_per_batch: Any,
     half_weights: Any, optimizer_offload: Any, optimizer_state: Any, nvme_masters: Any, nvme_path: str | None,
+    delayed_update: Any = False, delay_warmup: Any = 1,
 ) -> str | None:  # fmt: skip
     """Refuse a value ``SlideFormerStrategy`` cannot take, saying what would do; returns the NVMe directory (``None``:
     the tier is off; the ``SLIDE_NVME_PATH`` environment variable when ``nvme_path`` is unset)."""
@@ -92,6 +97,10 @@ def check_options(
         raise ValueError(f"optimizer_offload must be 'auto', 'cpu' or 'nvme'; got {optimizer_offload!r}.")
     if optimizer_state not in ("fp32", "bf16"):
         raise ValueError(f"optimizer_state must be 'fp32' or 'bf16'; got {optimizer_state!r}.")
+    if not isinstance(delayed_update, bool):
+        raise ValueError(f"delayed_update must be True or False; got {delayed_update!r}.")
+    if not isinstance(delay_warmup, int) or isinstance(delay_warmup, bool) or delay_warmup < 1:
+        raise ValueError(f"delay_warmup must be an int >= 1 (the exact steps before the delay); got {delay_warmup!r}.")
     if optimizer_state == "bf16":
         adam_bf16.library()  # built now, or refused with what to do, before anything is allocated
     if nvme_masters and optimizer_offload != "nvme":
@@ -103,6 +112,22 @@ def check_options(
     if optimizer_offload == "nvme" or (optimizer_offload == "auto" and nvme_path):
         return _check_nvme_path(nvme_path)
     return None
+
+
+def check_streamed(engine: SlideEngine, storage: Storage, checkpoint_io: Any) -> None:
+    """Refuse what the streamed tier cannot take of the strategy's other choices."""
+    if engine.nvme_path is not None and not isinstance(checkpoint_io, SlideCheckpointIO):
+        raise ValueError(
+            f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
+            f" SlideCheckpointIO; got checkpoint_io={type(checkpoint_io).__name__}. Leave checkpoint_io unset"
+            " (or subclass SlideCheckpointIO)."
+        )
+    if storage.half and not storage.widen and engine.nvme_path is not None:
+        raise ValueError(
+            f"half_weights='keep' steps {len(storage.half)} parameters in {storage.half[0].dtype}, but the NVMe"
+            " tier keeps fp32 optimizer state. Use half_weights='fp32_masters' (the default) or"
+            " optimizer_offload='cpu'."
+        )
 
 
 def _check_nvme_path(path: str | None) -> str:

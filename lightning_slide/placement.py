@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from . import overlap
 from .engine import SlideEngine
 from .engine.activations import plan_offload
 from .engine.planner import (
@@ -40,8 +41,9 @@ log = logging.getLogger(__name__)
 
 
 def choose_engine(
-    run: Run, available: int, activations: int = 0, resident: list[tuple[str, nn.Module]] = (), deferred: int = 0
-) -> tuple[SlideEngine, HostPlan]:
+    run: Run, available: int, activations: int = 0, resident: list[tuple[str, nn.Module]] = (), deferred: int = 0,
+    delayed: int = 0,
+) -> tuple[SlideEngine, HostPlan]:  # fmt: skip
     """The engine for ``run`` and its host plan: where the plan does not fit the ``available`` RAM, each "auto" takes
     its cheaper choice in turn (bf16 retained gradients, then "norm-first", then the optimizer state on NVMe).
 
@@ -50,6 +52,7 @@ def choose_engine(
         resident: modules kept on the device (the GPU tier).
         deferred: schedule "backward": the first blocks updated during the next forward (``SlideEngine``'s
             ``defer_blocks``; ``EngineConfig(deferred_updates=N)`` overrides it).
+        delayed: the first blocks updated a step late (``delay.py``).
     """
     module, layout, optimizer, trainer, options, stored = (
         run.module, run.layout, run.optimizer, run.trainer, run.options, run.stored
@@ -69,7 +72,7 @@ def choose_engine(
             state_dtype=torch.bfloat16 if options.optimizer_state == "bf16" else torch.float32,
             hooks_read_grads=hooks_read_grads(trainer, module), compact_grads=compact, config=config,
             resident=resident if schedule != "norm-first" else (), world=options.world,
-            shared=options.shared, defer_blocks=deferred,
+            shared=options.shared, defer_blocks=deferred, delay_blocks=delayed, delay_warmup=options.delay_warmup,
         )  # fmt: skip
 
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
@@ -150,8 +153,13 @@ class Plan:
 
     @property
     def deferred_blocks(self) -> int:
-        """Blocks whose updates run during the next forward (schedule "backward")."""
-        return len(self.engine.deferred) if self.engine is not None else 0
+        """Blocks whose updates run during the next forward (schedule "backward"), the delayed ones aside."""
+        return len(set(self.engine.deferred) - set(self.engine.delayed)) if self.engine is not None else 0
+
+    @property
+    def delayed_blocks(self) -> int:
+        """Blocks whose updates are one step late (``delay.py``)."""
+        return len(self.engine.delayed) if self.engine is not None else 0
 
     @property
     def fits(self) -> bool:
@@ -166,7 +174,8 @@ class Plan:
             "processes": self.processes, "tokens_per_batch": self.tier.tokens, "gpu_bytes": self.device_bytes,
             "host_bytes": host, "disk_bytes": self.host.disk * self.processes if self.host is not None else 0,
             "offloaded_blocks": self.offloaded_blocks, "deferred_blocks": self.deferred_blocks,
-            "predicted_step_s": self.predicted_step_s, "units": [vars(u) for u in self.units],
+            "delayed_blocks": self.delayed_blocks, "predicted_step_s": self.predicted_step_s,
+            "units": [vars(u) for u in self.units],
         }  # fmt: skip
 
     def table(self) -> str:
@@ -181,6 +190,7 @@ class Plan:
             f" {device} {self.device_bytes / GIB:.2f} GiB, host {data['host_bytes'] / GIB:.2f} GiB, disk"
             f" {data['disk_bytes'] / GIB:.2f} GiB{node}; offloaded blocks: {self.offloaded_blocks};"
             f"{f' blocks updated during the next forward: {self.deferred_blocks};' if self.deferred_blocks else ''}"
+            f"{f' blocks updated a step late: {self.delayed_blocks};' if self.delayed_blocks else ''}"
             f" predicted step: {step}",
         ]
         rows: list[list] = []
@@ -211,8 +221,8 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
         step = predict_step_s(work, None, rates) if work is not None else None
         return Plan(tier, None, units, tier.need, None, predicted_step_s=step, device=run.device.type)
 
-    def engine_and_host(activations: int, resident=(), deferred: int = 0) -> tuple[SlideEngine, HostPlan]:
-        engine, host = choose_engine(run, machine.host, activations, resident, deferred)
+    def engine_and_host(activations: int, resident=(), deferred=0, delayed=0) -> tuple[SlideEngine, HostPlan]:
+        engine, host = choose_engine(run, machine.host, activations, resident, deferred, delayed)
         if options.num_slots is None:
             engine.num_slots = window_slots(engine.device_bytes(3), machine.device)
         return engine, host
@@ -283,9 +293,12 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
             if kept_device.peak <= usable_device_bytes(machine.device) and not short:
                 engine, host, device = kept_engine, kept_host, kept_device
     processes = options.shared.size if options.shared is not None else 1
-    if cuda and work is not None and options.config.deferred_updates == "auto" and options.world is None:
+    if options.delayed_update and engine.optimizer is not None:
+        engine, host = _with_delay(engine, host, work, lambda k: engine_and_host(saved * offloaded,
+                                   engine.resident_named, delayed=k), run, machine, rates, cuda)  # fmt: skip
+    elif cuda and work is not None and options.config.deferred_updates == "auto" and options.world is None:
         # the CPU worker idles through the forward: the first blocks' updates can run there (rates.py)
-        deferred = _deferral(engine, _streamed_work(work, engine, host), rates)
+        deferred = overlap.deferral(engine, _streamed_work(work, engine, host), rates)
         if deferred:
             trial, trial_host = engine_and_host(saved * offloaded, engine.resident_named, deferred)
             fits = _shortfall(trial, trial_host, machine) is None
@@ -332,33 +345,34 @@ def _streamed_work(work: Work, engine: SlideEngine, host: HostPlan) -> Work:
     travel = sum(u.params for u in units if u.weights == "stream" and u.name != rows_only)
     trainable = engine.streamed_trainable() if engine.optimizer is not None else set()
     share = engine.shared.size if engine.shared is not None else 1
-    deferred = _trained(engine.deferred, trainable)
+    deferred = overlap.trained(engine.deferred, trainable)
+    delayed = overlap.trained(engine.delayed, trainable)
     bf16 = engine.optimizer is not None and engine.optimizer.state_dtype == torch.bfloat16
     return replace(work, streamed=travel, trained=sum(p.numel() for p in trainable), bf16_state=bf16,
                    disk_state_bytes=2 * host.disk, processes=share, share=share, deferred=deferred[0],
-                   deferred_matmul=deferred[1])  # fmt: skip
+                   deferred_matmul=deferred[1], delayed=delayed[0], delayed_matmul=delayed[1])  # fmt: skip
 
 
-def _trained(blocks: list[Unit], trainable: set[nn.Parameter]) -> tuple[int, int]:
-    # the parameters of ``blocks`` the optimizer steps, and the weights of their matrices
-    params = sum(p.numel() for u in blocks for p in u.owned() if p in trainable)
-    matmul = sum(m.weight.numel() for u in blocks for m in u.module.modules() if isinstance(m, nn.Linear))
-    return params, matmul
-
-
-def _deferral(engine: SlideEngine, work: Work, rates: Rates) -> int:
-    # how many of the first streamed blocks to update during the next forward: the fastest predicted step, where it
-    # is at least 1 % faster than none (each costs the host its gradients)
-    if engine.schedule != "backward" or engine.optimizer is None:
-        return 0
-    trainable = engine.streamed_trainable()
-    times, params, matmul = [predict_step_s(work, "backward", rates)], 0, 0
-    for block in engine.blocks:
-        block_params, block_matmul = _trained([block], trainable)
-        params, matmul = params + block_params, matmul + block_matmul
-        times.append(predict_step_s(replace(work, deferred=params, deferred_matmul=matmul), "backward", rates))
-    best = min(range(len(times)), key=times.__getitem__)
-    return best if times[best] < 0.99 * times[0] else 0
+def _with_delay(engine, host, work, trial, run: Run, machine: Machine, rates: Rates, cuda: bool):
+    # the delayed blocks: as many as the fastest predicted step takes (all of them on the CPU), fewer where the host
+    # cannot hold their copies
+    asked = run.options.config.delayed_blocks
+    if asked != "auto":
+        return trial(asked)
+    count = len(engine.blocks)
+    if cuda and work is not None:
+        count = overlap.delay(engine, _streamed_work(work, engine, host), rates)
+        if not count:
+            log.info("SlideFormer updates every block exactly (delayed_update=True): the GPU sets the step's pace.")
+            return engine, host
+    while count:
+        delayed, delayed_host = trial(count)
+        if _shortfall(delayed, delayed_host, machine) is None:
+            return delayed, delayed_host
+        count //= 2
+    log.warning("SlideFormer updates every block exactly (delayed_update=True): the host has no room for a copy of"
+                " the delayed blocks' weights.")  # fmt: skip
+    return engine, host
 
 
 def _resident_peaks(run: Run, group: list[Unit]) -> DevicePeaks:

@@ -13,6 +13,9 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
   updates are deferred, they run after the backward instead and overlap those blocks' next forward, the rest of the
   forward follows; "forward" updates after the backward, overlapping the next forward; "norm-first" runs a second
   backward that streams the updates;
+- delayed blocks (``delay.py``): their updates, queued last, overlap the next step (no forward waits for them) and
+  write their next weights too (in the same pass with bf16 moments, 2 bytes more of ~20; else a cast at
+  ``cpu_copy_params_per_s``); the CPU's whole work bounds the step;
 - a streamed step also spends ``stream_start_s`` at its start, waiting for the last updates and the window's first
   uploads (fitted to the 2.8 B and 8 B runs);
 - the resident tier is plain training on the GPU: no recompute, no copies, the optimizer on the GPU (memory-bound,
@@ -38,6 +41,7 @@ class Rates:
         pcie_gbs: host-device copies, each way (GB/s).
         cpu_params_per_s: torch's fused CPU AdamW, all cores but one.
         cpu_bf16_params_per_s: the same with bf16 moments (``engine/adam_bf16.py``; 20 bytes a parameter, not 28).
+        cpu_copy_params_per_s: the cast of fp32 masters into a delayed block's bf16 weights (fp32 moments).
         disk_gbs: the NVMe tier's reads and writes together (GB/s).
         stream_start_s: a streamed step's start, before the window and the updates overlap the compute.
     """
@@ -46,6 +50,7 @@ class Rates:
     pcie_gbs: float = 50.0
     cpu_params_per_s: float = 3.5e9
     cpu_bf16_params_per_s: float = 4.2e9  # 1.2x the fp32 rate, as bench_cpu_adam.py --state measured side by side
+    cpu_copy_params_per_s: float = 4.7e9  # an H100 host, in the 8k step (benchmarks/NOTES.md, session 39)
     disk_gbs: float = 3.0
     stream_start_s: float = 0.1
 
@@ -66,6 +71,8 @@ class Work:
     deferred: int = 0  # of the trained, those updated during the next forward (schedule "backward")
     deferred_matmul: int = 0  # weights of their matrices
     bf16_state: bool = False  # Adam's moments in bf16 (optimizer_state="bf16")
+    delayed: int = 0  # of the trained, those updated a step late (delay.py)
+    delayed_matmul: int = 0  # weights of their matrices
 
 
 def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> float:
@@ -77,7 +84,7 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
     backward += 4 * work.other_matmul * work.tokens / flop_s
     if schedule is None:
         return work.micro_batches * (forward + backward)
-    up = 2 * 4 * work.streamed / (rates.pcie_gbs * 1e9)
+    up = 2 * (4 * work.streamed - 2 * work.delayed_matmul) / (rates.pcie_gbs * 1e9)  # delayed: bf16 copies
     readback = 4 * work.trained / work.share / (rates.pcie_gbs * 1e9)
     down = 4 * work.trained / work.share / (rates.pcie_gbs * 1e9)
     second = backward if schedule == "norm-first" else 0.0
@@ -86,7 +93,15 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
     per_s = rates.cpu_bf16_params_per_s if work.bf16_state else rates.cpu_params_per_s
     cpu = work.trained / work.share / (per_s / work.processes)
     update = max(cpu, work.processes * work.disk_state_bytes / (rates.disk_gbs * 1e9))
-    if schedule == "backward":
+    if work.delayed:  # the copies are written with their updates (bf16 moments: in the same pass)
+        copy_rate = 10 * per_s if work.bf16_state else rates.cpu_copy_params_per_s
+        late = update * work.delayed / work.trained + work.delayed / work.share / (copy_rate / work.processes)
+        early = update * (1 - work.delayed / work.trained)
+        # "backward": theirs overlap the next forward, the others' follow their gradients; "forward": the others'
+        # before their next forward, theirs during its backward
+        chain = max(forward, late) + early if schedule == "backward" else max(forward, early) + backward
+        chain = max(chain, early + late)
+    elif schedule == "backward":
         late = update * work.deferred / work.trained if work.trained else 0.0
         matmul = work.block_matmul + work.other_matmul
         rest = forward * (1 - work.deferred_matmul / matmul) if matmul else forward

@@ -25,13 +25,14 @@ from typing_extensions import override
 from .checkpoint_io import SlideCheckpointIO
 from .device_draws import DrawOnDevice
 from .engine import EngineConfig, SlideEngine
+from .engine.delay import without_copies
 from .engine.machine import available_host_bytes, device_budget, locked_memory_limit
 from .engine.shared_host import SharedHost
 from .engine.state_dirs import sweep_stale_state
 from .model_switches import install_loss, switch_model
 from .models import Layout, find_layout
 from .oom import explain_oom
-from .options import EngineOptions, Run, check_options
+from .options import EngineOptions, Run, check_options, check_streamed
 from .placement import Machine, Plan, make_plan
 from .precision import SlideFormerPrecision, Storage
 from .processes import Processes
@@ -70,6 +71,10 @@ class SlideFormerStrategy(Processes):
             ``"auto"``: RAM unless it is short and ``nvme_path`` is given.
         optimizer_state: the streamed parameters' Adam moments in ``"fp32"`` or ``"bf16"`` (half the bytes, a faster
             CPU step; stochastically rounded: ``engine/adam_bf16.py``).
+        delayed_update: the first blocks' updates one step late, as DeepSpeed's delayed parameter update: the CPU
+            updates them while the GPU runs the next step with their weights of before (``engine/delay.py``; the
+            plan picks how many). Not exact: opt-in.
+        delay_warmup: with ``delayed_update``, the exact optimizer steps before the delay starts.
         nvme_path: an existing, writable directory on a fast disk; ``None``: ``$SLIDE_NVME_PATH``.
         nvme_masters: with ``"nvme"`` under bf16-mixed, the blocks' fp32 masters on disk too (bf16 copies in RAM).
         attention: Hugging Face models: ``"auto"``: the project's attention in bf16 on CUDA where it covers the
@@ -97,6 +102,8 @@ class SlideFormerStrategy(Processes):
         offload_activations: bool | Literal["auto"] = "auto",
         optimizer_offload: Literal["auto", "cpu", "nvme"] = "auto",
         optimizer_state: Literal["fp32", "bf16"] = "fp32",
+        delayed_update: bool = False,
+        delay_warmup: int = 20,
         nvme_path: str | None = None,
         nvme_masters: bool = False,
         on_nonfinite: Literal["raise", "skip"] = "raise",
@@ -117,7 +124,7 @@ class SlideFormerStrategy(Processes):
             attention=attention, fused_ops=fused_ops, engine=engine, offload_activations=offload_activations,
             placement=placement, device_memory_gib=device_memory_gib, tokens_per_batch=tokens_per_batch,
             half_weights=half_weights, optimizer_offload=optimizer_offload, optimizer_state=optimizer_state,
-            nvme_masters=nvme_masters, nvme_path=nvme_path,
+            nvme_masters=nvme_masters, nvme_path=nvme_path, delayed_update=delayed_update, delay_warmup=delay_warmup,
         )  # fmt: skip
         super().__init__(
             timeout=timeout,
@@ -134,6 +141,7 @@ class SlideFormerStrategy(Processes):
         self.offload_activations = offload_activations
         self.optimizer_offload = optimizer_offload
         self.moments = optimizer_state  # not `optimizer_state`: Lightning's hook of that name
+        self.delayed_update, self.delay_warmup = delayed_update, delay_warmup
         self.nvme_path = nvme_path
         self.nvme_masters = nvme_masters
         self._loaded_masters: dict[nn.Parameter, torch.Tensor] = {}  # fp32 masters from a checkpoint, until setup
@@ -223,7 +231,7 @@ class SlideFormerStrategy(Processes):
             self._setup_resident(module, layout, dtype, fitting)
             return
         self.engine = self.plan.engine
-        self._check_engine(storage)
+        check_streamed(self.engine, storage, self.checkpoint_io)
         self.precision_plugin.engine = self.engine
         log.info("SlideFormer streams the model (%s); %s", self.tier.reason, self.plan.host.describe())
         if self.plan.error is not None:
@@ -259,21 +267,6 @@ class SlideFormerStrategy(Processes):
         memlock = locked_memory_limit() if self.root_device.type == "cuda" else None
         return Machine(budget, available_host_bytes() // self.num_processes, memlock, disk_free, disk_held)
 
-    def _check_engine(self, storage: Storage) -> None:
-        # what the streamed tier cannot take of the strategy's other choices
-        if self.engine.nvme_path is not None and not isinstance(self.checkpoint_io, SlideCheckpointIO):
-            raise ValueError(
-                f"optimizer_offload='nvme' saves checkpoints as directories holding the state files, through"
-                f" SlideCheckpointIO; got checkpoint_io={type(self.checkpoint_io).__name__}. Leave checkpoint_io unset"
-                " (or subclass SlideCheckpointIO)."
-            )
-        if storage.half and not storage.widen and self.engine.nvme_path is not None:
-            raise ValueError(
-                f"half_weights='keep' steps {len(storage.half)} parameters in {storage.half[0].dtype}, but the NVMe"
-                " tier keeps fp32 optimizer state. Use half_weights='fp32_masters' (the default) or"
-                " optimizer_offload='cpu'."
-            )
-
     def _install_loss(self, layout: Layout, dtype: torch.dtype) -> None:
         if self.install_loss and (restore := install_loss(layout, self.engine, dtype)) is not None:
             self._restores.append(restore)
@@ -302,7 +295,7 @@ class SlideFormerStrategy(Processes):
             cpu_threads=self.cpu_threads or (self._default_threads() if device.type == "cuda" else None),
             offload_activations=self.offload_activations, optimizer_offload=self.optimizer_offload,
             optimizer_state=self.moments, nvme_path=self.nvme_path, nvme_masters=self.nvme_masters,
-            config=self.engine_config,
+            config=self.engine_config, delayed_update=self.delayed_update, delay_warmup=self.delay_warmup,
             world=self._world, shared=shared or self._shared,
         )  # fmt: skip
         stored = self._storage(layout, optimizer).sizes
@@ -476,7 +469,8 @@ class SlideFormerStrategy(Processes):
         # Like the base class, minus its move of the state to the root device: the state lives on the CPU.
         with self.engine.state_io.masters_as_fp32() if self.engine is not None else nullcontext():
             for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-                optimizer.load_state_dict(state)
+                delay = self.engine.state_io.delay if self.engine is not None else None
+                optimizer.load_state_dict(without_copies(state, optimizer, delay))
         if self.engine is not None:
             self.engine.state_io.adopt_loaded_state()
             if self.engine.shared is not None:  # every process's rows are in before any of them saves them

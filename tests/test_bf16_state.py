@@ -31,11 +31,13 @@ def test_the_kernel_rounds_as_its_torch_reference_bit_for_bit(decoupled, amsgrad
                        maximize=not decoupled, step=5, scale=0.37)  # fmt: skip
     where = dict(rows=torch.randperm(3 * rows, generator=generator)[:rows]) if gathered else dict(index0=12345)
     ref = [t.clone() if t is not None else None for t in (p, g, m, v, vmax)]
-    adam_bf16.step(p, g, m, v, vmax, args, 99, threads=3, **where)
+    copy = torch.empty(rows, width, dtype=torch.bfloat16)  # the updated values in bf16, written as they are stored
+    adam_bf16.step(p, g, m, v, vmax, args, 99, threads=3, copy=copy, **where)
     adam_bf16_ref(*ref, args, 99, **where)
     for got, want in zip((p, m, v, vmax), (ref[0], *ref[2:])):
         if want is not None:
             assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(copy), _bits(p.bfloat16()))
     assert not torch.equal(_bits(p), _bits(g))  # the parameters moved
 
 

@@ -30,8 +30,13 @@ def test_fp32_matches_plain_lightning(family, tied, accumulate, clip):
     kwargs = dict(accumulate_grad_batches=accumulate, gradient_clip_val=clip)
     ref, ref_module = fit(module, "auto", **kwargs)
     ours, our_module = fit(module, _strategy(), **kwargs)
-    err, where = max_rel_error(ours, ref)
+    # Qwen2's key bias has an exact gradient of zero (softmax ignores a per-row constant): Adam moves it on float noise
+    # alone, whose last bits follow each implementation's order of sums (1.4e-5 and 2.1e-5 of this bound on an AMD
+    # EPYC host, under it on others); it is held to 1e-4, every other tensor to FP32_TOL
+    noise = {k for k in ref if k.endswith("self_attn.k_proj.bias")} if family == "qwen2" else set()
+    err, where = max_rel_error({k: v for k, v in ours.items() if k not in noise}, ref)
     assert err < FP32_TOL, f"{where}: {err:.2e}"
+    assert max_rel_error({k: ours[k] for k in noise}, ref)[0] < 1e-4
     moved, _ = max_rel_error(ref, {k: v.float() for k, v in module.state_dict().items()})
     assert moved > 1e-2  # the parameters really trained
     if tied:

@@ -7,7 +7,9 @@
 // are a hash of (seed, element index), so a step is reproducible, whatever the split among threads.
 //
 // The random bits of an element depend on its index in its whole parameter, not on how the parameter was cut (a row
-// range, or rows gathered from anywhere). Built by adam_bf16.py with -O3: the loops vectorize.
+// range, or rows gathered from anywhere). Where given, ``copy`` receives the updated parameter in bf16, rounded to
+// nearest even as torch's casts round (a delayed block's weights of the next step, engine/delay.py): two bytes written
+// in the same pass instead of a second pass over the parameter. Built by adam_bf16.py with -O3: the loops vectorize.
 
 #include <math.h>
 #include <stdint.h>
@@ -29,6 +31,13 @@ static inline uint16_t narrow(float f, uint32_t noise) {
     return (uint16_t)((u + (noise & 0xffffu) * finite) >> 16);
 }
 
+static inline uint16_t nearest(float f) {  // torch's fp32 -> bf16: round to nearest even, a NaN to the quiet NaN
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : (uint16_t)rounded;
+}
+
 static inline uint32_t mix(uint32_t x) {  // MurmurHash3's 32-bit finalizer
     x ^= x >> 16;
     x *= 0x85ebca6bu;
@@ -44,12 +53,12 @@ static inline uint32_t mix(uint32_t x) {  // MurmurHash3's 32-bit finalizer
 // else 1), l2 (Adam's weight_decay, else 0), b1c = 1 - beta1, b2c = 1 - beta2, step_size = lr / (1 - beta1^t),
 // inv_bias2_sqrt = 1 / sqrt(1 - beta2^t). ``amsgrad`` is a constant where it is inlined: each loop vectorizes.
 #define ARRAYS float *restrict p, const float *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
-               uint16_t *restrict vmax
+               uint16_t *restrict vmax, uint16_t *restrict copy
 #define SCALARS float sign, float keep, float l2, float b1c, float beta2, float b2c, float eps, float step_size, \
                 float inv_bias2_sqrt, uint32_t seed
-#define PASS p, g, m, v, vmax, sign, keep, l2, b1c, beta2, b2c, eps, step_size, inv_bias2_sqrt, seed
+#define PASS p, g, m, v, vmax, copy, sign, keep, l2, b1c, beta2, b2c, eps, step_size, inv_bias2_sqrt, seed
 
-static inline void update(int64_t at, int64_t index, const int amsgrad, ARRAYS, SCALARS) {
+static inline void update(int64_t at, int64_t index, const int amsgrad, const int copies, ARRAYS, SCALARS) {
     float grad = g[at] * sign + l2 * p[at];
     float param = p[at] * keep;
     float mi = widen(m[at]);
@@ -63,22 +72,29 @@ static inline void update(int64_t at, int64_t index, const int amsgrad, ARRAYS, 
         second = most > vi ? most : vi;  // torch.maximum's but for a NaN already stored (fmaxf does not vectorize)
         vmax[at] = narrow(second, mix(bits));
     }
-    p[at] = param - step_size * mi / (sqrtf(second) * inv_bias2_sqrt + eps);
+    float updated = param - step_size * mi / (sqrtf(second) * inv_bias2_sqrt + eps);
+    p[at] = updated;
+    if (copies) copy[at] = nearest(updated);
     m[at] = narrow(mi, bits);
     v[at] = narrow(vi, bits >> 16);
 }
 
-// n contiguous elements, the first at ``index0`` in its parameter; vmax NULL without amsgrad. ``threads``: OpenMP's,
-// torch's own runtime where it ships one (adam_bf16.py links it): idle torch threads spinning beside a second pool of
-// threads slowed the update by a third.
+// n contiguous elements, the first at ``index0`` in its parameter; vmax and copy NULL where not kept. ``threads``:
+// OpenMP's, torch's own runtime where it ships one (adam_bf16.py links it): idle torch threads spinning beside a second
+// pool of threads slowed the update by a third. One loop per case, each with constant flags: each vectorizes.
+#define LOOP(AMSGRAD, COPIES)                                                                   \
+    _Pragma("omp parallel for simd schedule(static) num_threads(threads) if (n >= MIN_PARALLEL)") \
+    for (int64_t i = 0; i < n; i++) update(i, index0 + i, AMSGRAD, COPIES, PASS)
+
 void adam_bf16(int64_t n, int64_t index0, int threads, ARRAYS, SCALARS) {
-    if (vmax) {
-#pragma omp parallel for simd schedule(static) num_threads(threads) if (n >= MIN_PARALLEL)
-        for (int64_t i = 0; i < n; i++) update(i, index0 + i, 1, PASS);
-    } else {
-#pragma omp parallel for simd schedule(static) num_threads(threads) if (n >= MIN_PARALLEL)
-        for (int64_t i = 0; i < n; i++) update(i, index0 + i, 0, PASS);
-    }
+    if (vmax && copy)
+        LOOP(1, 1);
+    else if (vmax)
+        LOOP(1, 0);
+    else if (copy)
+        LOOP(0, 1);
+    else
+        LOOP(0, 0);
 }
 
 // ``count`` rows of ``width`` elements gathered from a parameter's rows ``rows``
@@ -87,8 +103,8 @@ void adam_bf16_rows(int64_t count, int64_t width, const int64_t *restrict rows, 
     for (int64_t r = 0; r < count; r++) {
         int64_t at = r * width, index = rows[r] * width;
         if (vmax)
-            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 1, PASS);
+            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 1, copy != NULL, PASS);
         else
-            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 0, PASS);
+            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 0, copy != NULL, PASS);
     }
 }

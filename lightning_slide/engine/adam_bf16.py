@@ -55,19 +55,19 @@ class AdamArgs:
         )  # fmt: skip
 
 
-def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *,
-         index0: int = 0, rows: Tensor | None = None, threads: int = 1) -> None:  # fmt: skip
+def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *, index0: int = 0,
+         rows: Tensor | None = None, threads: int = 1, copy: Tensor | None = None) -> None:  # fmt: skip
     """Update the contiguous fp32 ``p`` with the fp32 gradient ``g`` and the bf16 moments ``m``, ``v`` (``vmax``:
     amsgrad's running maximum) in place, on up to ``threads`` threads. The rounding's random bits come from ``seed``
     and each element's index in its whole parameter: ``p`` is the part that starts at element ``index0``, or (``rows``,
-    int64) those leading rows of it, gathered."""
+    int64) those leading rows of it, gathered. ``copy`` (bf16): receives the updated ``p``, as ``p.bfloat16()``."""
     n = p.numel()
-    tensors = (p, g, m, v) + ((vmax,) if vmax is not None else ())
+    tensors = (p, g, m, v) + tuple(t for t in (vmax, copy) if t is not None)
     if not all(t.is_contiguous() and t.device.type == "cpu" and t.numel() == n for t in tensors):
         raise ValueError("adam_bf16.step takes contiguous CPU tensors of one size.")
     if n == 0:
         return
-    arrays = [t.data_ptr() for t in (p, g, m, v)] + [vmax.data_ptr() if vmax is not None else None]
+    arrays = [t.data_ptr() for t in (p, g, m, v)] + [t.data_ptr() if t is not None else None for t in (vmax, copy)]
     scalars = (*astuple(args), seed & 0xFFFFFFFF)
     if rows is None:
         library().adam_bf16(n, index0, threads, *arrays, *scalars)
@@ -159,7 +159,7 @@ def library() -> ctypes.CDLL:
             os.replace(built, target)  # whole, also where several processes build it at once
     library = ctypes.CDLL(str(target))
     pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    arguments = [ctypes.c_int] + [pointer] * 5 + [f32] * 9 + [ctypes.c_uint32]
+    arguments = [ctypes.c_int] + [pointer] * 6 + [f32] * 9 + [ctypes.c_uint32]
     library.adam_bf16.argtypes = [i64, i64, *arguments]
     library.adam_bf16_rows.argtypes = [i64, i64, pointer, *arguments]
     library.adam_bf16.restype = library.adam_bf16_rows.restype = None

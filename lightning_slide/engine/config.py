@@ -42,6 +42,9 @@ class EngineConfig:
             the CPU worker would otherwise idle, instead of as their backward ends (their gradients wait on the host,
             4 bytes per parameter). ``"auto"``: the plan picks N for the fastest predicted step (``rates.py``), 0
             where the GPU sets the pace, with several processes, or on the CPU.
+        delayed_blocks: with ``delayed_update=True``, the first N streamed blocks are updated a step late
+            (``delay.py``). ``"auto"``: the plan picks N for the fastest predicted step (``rates.py``; every block on
+            the CPU), fewer where the host cannot hold their copies.
         compact_retained_grads: schedule "forward" without accumulation: keep the retained gradients of the matrices
             computed with in bf16 in bf16 (2 bytes per parameter instead of 4; a slower CPU update). ``"auto"``: only
             where fp32 ones would not fit the RAM available.
@@ -62,6 +65,7 @@ class EngineConfig:
     device_row_update: bool = True
     defer_touched_rows: bool = True
     deferred_updates: int | Auto = "auto"
+    delayed_blocks: int | Auto = "auto"
     compact_retained_grads: bool | Auto = "auto"
     nvme_read_ahead_bytes: int = 512 << 20
     register_min_bytes: int = 1 << 20
@@ -76,9 +80,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"EngineConfig({name}=...) must be an int >= 0; got {value!r}.")
-        value = self.deferred_updates
-        if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"EngineConfig(deferred_updates=...) must be 'auto' or an int >= 0; got {value!r}.")
+        for name in ("deferred_updates", "delayed_blocks"):
+            value = getattr(self, name)
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"EngineConfig({name}=...) must be 'auto' or an int >= 0; got {value!r}.")
         for name in ("split_embedding_update", "compact_retained_grads"):
             if (value := getattr(self, name)) not in (True, False, "auto"):
                 raise ValueError(f"EngineConfig({name}=...) must be True, False or 'auto'; got {value!r}.")
@@ -87,8 +92,22 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig({name}=...) must be True or False; got {getattr(self, name)!r}.")
 
 
-def check_choices(*, num_slots: int, on_nonfinite: str, schedule: str, resident: bool, defer_blocks: int) -> None:
+def check_choices(
+    *, num_slots: int, on_nonfinite: str, schedule: str, resident: bool, defer_blocks: int, delay_blocks: int = 0,
+    several: bool = False,
+) -> None:  # fmt: skip
     """Refuse a combination of the engine's choices it cannot carry out (``SlideEngine``'s arguments)."""
+    if delay_blocks and schedule == "norm-first":
+        raise ValueError(
+            "delayed_update=True keeps the delayed blocks' gradients for the next step, and update_schedule="
+            "'norm-first' was chosen to keep no gradient on the host: give the run more RAM, or train without"
+            " delayed_update."
+        )
+    if delay_blocks and several:
+        raise ValueError(
+            "delayed_update=True is not available with several processes yet; train with devices=1, or without"
+            " delayed_update."
+        )
     if num_slots < 2:
         raise ValueError(f"num_slots must be at least 2 (one block computes while the next arrives); got {num_slots}.")
     if on_nonfinite not in ("raise", "skip"):

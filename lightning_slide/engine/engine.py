@@ -23,8 +23,9 @@ from torch.optim import Optimizer
 from . import disk_masters, machine
 from .activations import ActivationStash, Offloading
 from .config import EngineConfig, check_choices
+from .delay import DelayedBlocks, check_delayed, copy_bytes
 from .embedding import EmbeddingRows
-from .functions import recomputed, run_block, run_unit
+from .functions import head_loss, recomputed, run_block, run_unit
 from .grads import GradSender
 from .guard import Guard
 from .nvme import NvmeStateStore, min_block_numel, row_numel
@@ -78,8 +79,8 @@ class SlideEngine:
         world: the processes of a data-parallel run (``world.py``): gradients averaged over them.
         shared: the node's processes hold the masters, the optimizer state and the retained gradients once, each
             updating its rows (``shared_host.py``).
-        defer_blocks: schedule "backward": the first blocks are updated during the next forward instead of as their
-            backward ends.
+        defer_blocks: schedule "backward": the first blocks updated during the next forward, not as their backward ends.
+        delay_blocks, delay_warmup: the first blocks updated a step late, after that many exact steps (``delay.py``).
     """
 
     def __init__(
@@ -109,9 +110,11 @@ class SlideEngine:
         world: DataParallel | None = None,
         shared: SharedHost | None = None,
         defer_blocks: int = 0,
+        delay_blocks: int = 0,
+        delay_warmup: int = 1,
     ) -> None:
         check_choices(num_slots=num_slots, on_nonfinite=on_nonfinite, schedule=schedule, resident=bool(resident),
-                      defer_blocks=defer_blocks)  # fmt: skip
+                      defer_blocks=defer_blocks, delay_blocks=delay_blocks, several=world is not None)  # fmt: skip
         self.config = config = config or EngineConfig()
         self.world = world
         self.shared = shared
@@ -157,6 +160,10 @@ class SlideEngine:
                 f"EngineConfig(deferred_updates={defer_blocks}) asks to defer more blocks than the {len(self.blocks)}"
                 " the engine streams; give a number from 0 to that."
             )
+        self.delayed = check_delayed(self.blocks, delay_blocks, bool(self.disk_masters)) if optimizer else []
+        self._delay_warmup = delay_warmup
+        if schedule == "backward":  # their gradients wait on the host for the step's end
+            defer_blocks = max(defer_blocks, len(self.delayed))
         self.deferred = self.blocks[:defer_blocks] if self.optimizer is not None else []
         self._retain = retain_grads or schedule == "forward" or bool(self.deferred)
         self._accumulates = retain_grads
@@ -226,6 +233,7 @@ class SlideEngine:
             disk_masters=self.disk_masters,
             activations=activations,
             share=self.shared.size if self.shared is not None else 1,
+            delayed_weights=copy_bytes(self.delayed, self.streamed_trainable() if self.delayed else set()),
         )
 
     def compact_grads(self) -> set[nn.Parameter]:
@@ -311,7 +319,10 @@ class SlideEngine:
         elif self.transfer.is_cuda:
             for unit in self.units:
                 self.transfer.pin(unit.owned())
-        self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots)
+        delay = DelayedBlocks(self.delayed, self.transfer, self.worker, self._delay_warmup,
+                              self.streamed_trainable()) if self.delayed else None  # fmt: skip
+        self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots, delay)
+        self.state_io.delay = delay
         if self.embedding is not None:
             self.rows = EmbeddingRows(
                 self.embedding, window=self.window, transfer=self.transfer,
@@ -328,7 +339,7 @@ class SlideEngine:
                 schedule=self.schedule, on_nonfinite=self.on_nonfinite, optimizer=self.optimizer, updates=self.updates,
                 sender=self.sender, worker=self.worker, window=self.window, rows=self.rows,
                 activations=self.activations, forward_units=self._forward_units(), names=names, guard=self.guard,
-                resident=self.resident_params, world=self.world, deferred=self.deferred,
+                resident=self.resident_params, world=self.world, deferred=self.deferred, delay=delay,
             )  # fmt: skip
         self._patch()
 
@@ -396,8 +407,8 @@ class SlideEngine:
 
     # ---- the forwards of managed modules (functions.UnitHost) -------------------------------------------------
 
-    def acquire(self, unit: Unit) -> list[Tensor]:
-        return self.window.acquire(unit)
+    def acquire(self, unit: Unit, training: bool = False) -> list[Tensor]:
+        return self.window.acquire(unit, training)
 
     def release(self, unit: Unit, *, forward: bool) -> None:
         self.window.release(unit, forward=forward)
@@ -415,26 +426,11 @@ class SlideEngine:
         return self.rows.forward(ids, train=torch.is_grad_enabled() and self.wants_grad(self.embedding, 0))
 
     def head_loss(self, hidden: Tensor, target: Tensor, loss_fn, **kwargs) -> Tensor:
-        """``loss_fn(hidden, weight, target, bias=..., **kwargs)`` with the head's weights on the device.
+        """``loss_fn(hidden, weight, target, bias=..., **kwargs)`` with the head's weights on the device
+        (``functions.head_loss``)."""
+        return head_loss(self, self.head, hidden, target, loss_fn, self._head_grad, **kwargs)
 
-        The head's weights stay in their own buffer from this forward to its backward, so the loss needs no
-        recompute; their gradients leave for the CPU as soon as the backward has produced them.
-        """
-        unit = self.head
-        train = torch.is_grad_enabled()
-        weights = [
-            w.detach().requires_grad_(train and self.wants_grad(unit, i)) for i, w in enumerate(self.acquire(unit))
-        ]
-        for i, w in enumerate(weights):
-            if w.requires_grad:
-                w.register_post_accumulate_grad_hook(partial(self._head_grad, i))
-        by_name = {attr: weights[i] for sub, attr, i in unit.entries if sub is unit.module}
-        loss = loss_fn(hidden, by_name["weight"], target, bias=by_name.get("bias"), **kwargs)
-        self.release(unit, forward=True)
-        return loss
-
-    def _head_grad(self, index: int, leaf: Tensor) -> None:
-        grad, leaf.grad = leaf.grad, None
+    def _head_grad(self, index: int, grad: Tensor) -> None:
         self.window.buffer(self.head).free = self.transfer.record()  # the backward has read the weights
         self.after_backward(self.head, {index: grad})
 

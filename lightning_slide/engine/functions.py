@@ -9,8 +9,9 @@ module by another way than its outputs (``guard.py``) are extra outputs of the n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +34,7 @@ class UnitHost(Protocol):
     activations: ActivationStash | None
     guard: Guard | None  # training only
 
-    def acquire(self, unit: Unit) -> list[Tensor]: ...
+    def acquire(self, unit: Unit, training: bool = False) -> list[Tensor]: ...
 
     def release(self, unit: Unit, *, forward: bool) -> None: ...
 
@@ -74,6 +75,32 @@ class RowsHost(Protocol):
     def gather(self, ids: Tensor, *, training: bool = False) -> tuple[Tensor, Tensor, Tensor]: ...
 
     def after_backward(self, unit: Unit, grads: dict[int, Contribution]) -> None: ...
+
+
+def head_loss(
+    engine: UnitHost, unit: Unit, hidden: Tensor, target: Tensor, loss_fn, on_grad: Callable[[int, Tensor], None],
+    **kwargs,
+) -> Tensor:  # fmt: skip
+    """``loss_fn(hidden, weight, target, bias=..., **kwargs)`` with the head ``unit``'s weights on the device.
+
+    The head's weights stay in their own buffer from this forward to its backward, so the loss needs no recompute;
+    each weight's gradient goes to ``on_grad(index, grad)`` as soon as the backward has produced it.
+    """
+    train = torch.is_grad_enabled()
+    weights = [w.detach().requires_grad_(train and engine.wants_grad(unit, i)) for i, w in
+               enumerate(engine.acquire(unit))]  # fmt: skip
+    for i, w in enumerate(weights):
+        if w.requires_grad:
+            w.register_post_accumulate_grad_hook(partial(_leaf_grad, on_grad, i))
+    by_name = {attr: weights[i] for sub, attr, i in unit.entries if sub is unit.module}
+    loss = loss_fn(hidden, by_name["weight"], target, bias=by_name.get("bias"), **kwargs)
+    engine.release(unit, forward=True)
+    return loss
+
+
+def _leaf_grad(on_grad: Callable[[int, Tensor], None], index: int, leaf: Tensor) -> None:
+    grad, leaf.grad = leaf.grad, None
+    on_grad(index, grad)
 
 
 def run_unit(engine: UnitHost, unit: Unit, args: tuple, kwargs: dict) -> Any:
@@ -148,7 +175,7 @@ class _UnitFunction(Function):
     def forward(ctx, call: _Call, dummy: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
         engine, unit = call.engine, call.unit
         offload = engine.offloads(unit, tensors)  # decided before the first block runs (it may tile the MLPs)
-        weights = engine.acquire(unit)
+        weights = engine.acquire(unit, training=True)
         if call.probe:  # with a graph, so the guard sees where every result leads (guard.py)
             needs, wants = list(ctx.needs_input_grad[2:]), [engine.wants_grad(unit, i) for i in range(len(weights))]
             out, found = engine.guard.probe(unit, call.run, list(tensors), needs, weights, wants)
@@ -181,7 +208,8 @@ class _UnitFunction(Function):
         engine, unit = call.engine, call.unit
         saved = engine.activations.load(ctx.offloaded) if hasattr(ctx, "offloaded") else ctx.saved_tensors
         inputs = [t.detach().requires_grad_(need) for t, need in zip(saved, ctx.needs_input_grad[2:])]
-        weights = [alias(w).requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(engine.acquire(unit))]
+        weights = engine.acquire(unit, training=True)
+        weights = [alias(w).requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(weights)]
         sites = {(path, leaf) for path, _, leaf in call.extra_keys}
         with torch.enable_grad(), call.replay(), submodule_outputs(unit.module, sites) as found:
             out = call.run(inputs, weights)

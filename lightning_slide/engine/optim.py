@@ -175,6 +175,7 @@ class CpuOptimizer:
         hypers: Hypers,
         rows: list[slice | None] | None = None,
         grad_scale: Tensor | None = None,
+        copies: list[Tensor | None] | None = None,
     ) -> None:
         """Apply the update to ``params`` (all of one group), after :meth:`begin` was called for each.
 
@@ -184,8 +185,18 @@ class CpuOptimizer:
             hypers: the group's frozen hyperparameters.
             rows: for each parameter, the slice of leading rows to update (``None``: all of it).
             grad_scale: a 1-element tensor; gradients are divided by it (the clipping coefficient enters here).
+            copies: tensors shaped like ``param[rows[i]]`` (or ``None``) that receive the updated values in their
+                dtype (a delayed block's next weights, ``delay.py``): written by the bf16 kernel as it updates.
         """
         rows = rows if rows is not None else [None] * len(params)
+        copies = copies or [None] * len(params)
+        written = self._update(params, grads, hypers, rows, grad_scale, copies)
+        for p, r, copy in zip(params, rows, copies):
+            if copy is not None and id(copy) not in written:
+                copy.copy_(rows_of(p.data, r))
+
+    def _update(self, params, grads, hypers: Hypers, rows, grad_scale, copies) -> set[int]:
+        # the update itself; returns the ids of the copies it wrote
         if self.store is not None and not self.is_sgd:  # the moments come from disk, block by block
             for p, g, r in zip(params, grads, rows):
                 start = r.start if r is not None else 0
@@ -200,7 +211,7 @@ class CpuOptimizer:
                     if master is not None:
                         rows_of(p.data, at).copy_(master)  # the copy the device computes with
                     self.store.save(p, block)
-            return
+            return set()
         states = [self.optimizer.state[p] for p in params]
         ps = [rows_of(p.data, r) for p, r in zip(params, rows)]
         if self.is_sgd:
@@ -208,10 +219,10 @@ class CpuOptimizer:
             assert all(self._sgd_first[p] == first for p in params)
             bufs = [rows_of(s["momentum_buffer"], r) for s, r in zip(states, rows)] if hypers.momentum != 0 else []
             self._sgd(ps, grads, bufs, hypers, first, grad_scale)
-            return
+            return set()
         moments = [{k: rows_of(v, r) for k, v in s.items() if k != "step"} for s, r in zip(states, rows)]
         starts = [_first(p, r) for p, r in zip(params, rows)]
-        self._adam(params, ps, grads, moments, [s["step"] for s in states], hypers, grad_scale, starts)
+        return self._adam(params, ps, grads, moments, [s["step"] for s in states], hypers, grad_scale, starts, copies)
 
     def state_like(self, param: Tensor) -> dict[str, Tensor]:
         """``param``'s values and each of its state tensors shaped like it (Adam's moments, SGD's momentum), by name
@@ -258,19 +269,25 @@ class CpuOptimizer:
         )  # fmt: skip
 
     def _adam(self, params, ps, grads, moments: list[dict[str, Tensor]], steps, hypers: Hypers, grad_scale,
-              starts: list[int]) -> None:  # fmt: skip
+              starts: list[int], copies: list[Tensor | None] | None = None) -> set[int]:  # fmt: skip
         # params: the parameters; ps: the tensors updated (their rows, or a block's master), the first element of each
-        # at starts[i] in its parameter
+        # at starts[i] in its parameter; returns the ids of the bf16 copies written with the update
+        copies = copies or [None] * len(ps)
         bf16 = [i for i, (m, p) in enumerate(zip(moments, ps)) if _bf16_moments(m, p)]
+        written = set()
         for i in bf16:
             args, seed = self._bf16_args(params[i], steps[i], hypers, grad_scale)
             m = moments[i]
+            copy = copies[i] if copies[i] is not None and copies[i].dtype == torch.bfloat16 else None
             adam_bf16.step(ps[i], grads[i], m["exp_avg"], m["exp_avg_sq"], m.get("max_exp_avg_sq"), args, seed,
-                           index0=starts[i], threads=torch.get_num_threads())  # fmt: skip
+                           index0=starts[i], threads=torch.get_num_threads(), copy=copy)  # fmt: skip
+            if copy is not None:
+                written.add(id(copy))
         rest = [i for i in range(len(ps)) if i not in bf16]
         if rest:
             ps, grads, moments, steps = ([xs[i] for i in rest] for xs in (ps, grads, moments, steps))
             self._fused_adam(ps, grads, moments, steps, hypers, grad_scale)
+        return written
 
     def _bf16_args(
         self, param: Tensor, step: Tensor, hypers: Hypers, grad_scale: Tensor | None

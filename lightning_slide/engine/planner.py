@@ -37,16 +37,19 @@ class HostPlan:
     disk: int = 0  # optimizer state (and masters) in files (the NVMe tier); optimizer_state is then what is read in
     # at once
     activations: int = 0  # block inputs offloaded to the host between forward and backward
+    delayed_weights: int = 0  # the delayed blocks' weights of the step before (delay.py)
 
     @property
     def added(self) -> int:
         """What the run allocates beyond the model already in memory."""
-        return self.optimizer_state + self.retained_grads + self.landing + self.largest_unit + self.activations
+        parts = (self.optimizer_state, self.retained_grads, self.landing, self.largest_unit, self.activations)
+        return sum(parts) + self.delayed_weights
 
     def describe(self) -> str:
         rows = [("parameters (masters)", self.masters), ("optimizer state", self.optimizer_state),
                 ("retained gradients", self.retained_grads), ("gradient landing buffers", self.landing)]  # fmt: skip
         rows += [("offloaded activations", self.activations)] if self.activations else []
+        rows += [("delayed blocks' weights", self.delayed_weights)] if self.delayed_weights else []
         text = ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in rows)
         disk = f"; {self.disk / GIB:.2f} GiB of optimizer state (and masters) on disk" if self.disk else ""
         return f"host memory plan: {text}; {self.pinned / GIB:.2f} GiB of it pinned{disk}"
@@ -67,6 +70,7 @@ def plan_host(
     activations: int = 0,
     share: int = 1,
     state_itemsize: int = 4,
+    delayed_weights: int = 0,
 ) -> HostPlan:
     """The host plan for ``units`` (each the parameters it owns) trained with ``optimizer``.
 
@@ -84,6 +88,7 @@ def plan_host(
             shared memory (``shared_host.py``; the state on disk, in files of their own): each process's part of them
             is planned.
         state_itemsize: bytes per element of the optimizer state (2: ``optimizer_state="bf16"``).
+        delayed_weights: host bytes of the delayed blocks' copies (pinned).
     """
     sizes = frozen_bytes_per_element or {}
 
@@ -110,8 +115,9 @@ def plan_host(
     if share > 1:  # the masters move into shared memory unit by unit; each process's files hold its rows' state
         masters, retained, disk = masters // share, retained // share, disk // share
         state = state if state_block_numel is not None else state // share  # on disk: its own blocks in RAM
-    locked = masters + retained + landing_bytes + activations if pinned else 0
-    return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk, activations)
+    locked = masters + retained + landing_bytes + activations + delayed_weights if pinned else 0
+    return HostPlan(masters, state, retained, landing_bytes, largest if pinned else 0, locked, disk, activations,
+                    delayed_weights)  # fmt: skip
 
 
 def state_per_fp32(optimizer: torch.optim.Optimizer) -> int:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from .delay import DelayedBlocks
 from .nvme import MASTER, merged
 from .optim import CpuOptimizer, own_part, rows_of
 from .shared_host import SharedHost
@@ -36,6 +37,7 @@ class StateIO:
         self.optimizer = optimizer
         self.disk_masters = disk_masters
         self.shared = shared
+        self.delay: DelayedBlocks | None = None  # the delayed blocks' copies, saved beside their moments (setup)
 
     @property
     def _store(self):
@@ -43,12 +45,17 @@ class StateIO:
 
     def with_offloaded_state(self, state_dict: dict) -> dict:
         """``optimizer.state_dict()`` plus, for the moments that live in files, references to where they lie there
-        (``NvmeStateStore.reference``; the checkpoint I/O copies the files beside the checkpoint)."""
+        (``NvmeStateStore.reference``; the checkpoint I/O copies the files beside the checkpoint), and the delayed
+        blocks' copies."""
+        if self.optimizer is None:
+            return state_dict
+        params = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]]  # state_dict's numbering
+        if self.delay is not None:
+            state_dict = {**state_dict, "state": self.delay.into_state(state_dict["state"], params)}
         store = self._store
         if store is None:
             return state_dict
         store.flush()
-        params = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]]  # state_dict's numbering
         held = [(i, p) for i, p in enumerate(params) if p in store.regions]
         refs = {(i, key): ref for i, p in held for key, ref in store.reference(p).items()}
         state = {i: dict(s) for i, s in state_dict["state"].items()}

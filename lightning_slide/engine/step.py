@@ -9,7 +9,8 @@
       hooks, Step.clip            (the global norm sets the clipping coefficient)
       Step.grads_taken            (param.grad hidden again: the optimizer's own update finds none)
       user's optimizer.step()     its post-hook, Step.finish: "forward" queues the updates in forward order (and
-                                  "backward" those of its deferred blocks)
+                                  "backward" those of its deferred blocks); with delayed blocks, their copies are
+                                  taken first and their updates queued last (``delay.py``)
 
 The schedules themselves are described in ``engine.py``.
 """
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from .activations import ActivationStash
+from .delay import DelayedBlocks
 from .embedding import EmbeddingRows
 from .grads import GradSender
 from .guard import Guard
@@ -56,6 +58,7 @@ class Step:
         resident: the parameters kept on the device.
         world: the processes of a data-parallel run (``world.py``); ``None``: one.
         deferred: schedule "backward": the blocks updated when the step ends, not as their backward ends.
+        delay: the blocks whose update is one step late (``delay.py``); ``None``: none.
     """
 
     def __init__(
@@ -76,8 +79,10 @@ class Step:
         resident: list[nn.Parameter] = (),
         world: DataParallel | None = None,
         deferred: list[Unit] = (),
+        delay: DelayedBlocks | None = None,
     ) -> None:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
+        self.delay = delay
         self.deferred = set(deferred)
         self.resident = resident  # on the device: autograd leaves their gradients, the user's optimizer steps them
         self._resident_set = set(resident)
@@ -267,25 +272,41 @@ class Step:
         return list(order) + [u for u in self._forward_units if u not in order]
 
     def finish(self) -> None:
-        """The step ends: with the "forward" schedule, its updates are queued in forward order."""
+        """The step ends: with the "forward" schedule, its updates are queued in forward order. Delayed blocks: their
+        copies swap first and their updates, which write the next ones, are queued last, the last block's first (its
+        next gradient arrives first); the delay starts once the warmup's last update is queued."""
         plan, self.plan = self.plan, None
         # NOTE: with the "backward" schedule the sender queues each unit's update; the next forward must see them
         # all queued before it waits on them.
         self.sender.drain()
+        delay = self.delay
+        delayed = delay is not None and delay.filled
+        order = self._update_order()
+        if delayed:
+            delay.swap()
+            late = set(delay.blocks)
+            order = [u for u in order if u not in late] + [u for u in reversed(order) if u in late]
         split = self.rows.split if self.rows is not None else None
         if plan.skip:
             self.updates.discard()
         elif self.schedule == "forward":
             if split is not None:
                 self.rows.prepare_update()
-            for unit in self._update_order():
+            for unit in order:
                 touched = split is not None and unit is self.rows.unit
                 self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
-                                      run=self.rows.update_touched if touched else None)  # fmt: skip
+                                      run=self.rows.update_touched if touched else None,
+                                      copies=delay.targets(unit) if delayed else None)  # fmt: skip
         elif self.updates.pending:  # the deferred blocks', and those of a unit that skipped the last micro-batch
-            for unit in self._update_order():
+            for unit in order:
                 flagged = unit in self.deferred and self.sender.check_window(unit, plan)  # no CPU pass over them
-                self.updates.schedule(unit, plan, check_finite=not flagged)
+                self.updates.schedule(unit, plan, check_finite=not flagged,
+                                      copies=delay.targets(unit) if delayed else None)  # fmt: skip
+        if delayed:
+            for unit in delay.blocks:
+                delay.copy_missed(unit, set() if plan.skip else self.updates.updated)
+        elif delay is not None and delay.starts_after(plan.step):
+            delay.fill()
         self.sender.window_done()
         plan.finished = True  # every update of the step is queued
         self.updates.updated.clear()

@@ -209,6 +209,7 @@ class Updates:
         check_finite: bool,
         streamed: Collection[nn.Parameter] = (),
         run: Callable[[StepPlan, bool], Future] | None = None,
+        copies: dict[nn.Parameter, Tensor] | None = None,
     ) -> None:
         """Queue the update of ``owner``'s parameters that have gradients in this window (main thread).
 
@@ -216,6 +217,7 @@ class Updates:
             check_finite: refuse NaN/Inf gradients (not needed when the global norm was found finite).
             streamed: parameters whose chunks already carry the update; only the bookkeeping is left for them.
             run: queues the update itself and returns its future (the split embedding's touched rows).
+            copies: tensors that receive updated parameters' values (a delayed block's next weights, ``delay.py``).
         """
         params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p in self.pending]
         if not params:
@@ -237,7 +239,7 @@ class Updates:
             owner.update_done = run(plan, check_finite)
         else:
             self.optimizer.prefetch(rest)
-            owner.update_done = self.worker.submit(self._update, owner.name, rest, plan, check_finite)
+            owner.update_done = self.worker.submit(self._update, owner.name, rest, plan, check_finite, copies or {})
         if self.shared is not None:  # the unit's weights are whole once every process has updated its rows
             owner.update_done = self.worker.submit(self.shared.barrier)
 
@@ -317,7 +319,10 @@ class Updates:
         finally:
             self.transfer.give_landing(landing)
 
-    def _update(self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool) -> None:
+    def _update(
+        self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool,
+        copies: dict[nn.Parameter, Tensor],
+    ) -> None:  # fmt: skip
         params = [p for p in params if p.dim() or self.own_rows(p) is None]  # not the scalars of other processes
         rows = [self.own_rows(p) for p in params]
         grads = [self.held(p) for p in params]
@@ -343,15 +348,18 @@ class Updates:
                     torch._foreach_clamp_min_(wide, -plan.clip_value)
                     torch._foreach_clamp_max_(wide, plan.clip_value)
                 self.optimizer.update([params[i] for i in together], wide, hypers, rows=[rows[i] for i in together],
-                                      grad_scale=plan.grad_scale)  # fmt: skip
+                                      grad_scale=plan.grad_scale,
+                                      copies=[copies.get(params[i]) for i in together])  # fmt: skip
             for i in idx:
                 if compact[i]:
-                    self._update_compact(params[i], grads[i], hypers, plan)
+                    self._update_compact(params[i], grads[i], hypers, plan, copies.get(params[i]))
             for i in idx:
                 self.optimizer.end(params[i])
         plan.applied.append(name)
 
-    def _update_compact(self, param: nn.Parameter, grad: Tensor, hypers: Hypers, plan: StepPlan) -> None:
+    def _update_compact(
+        self, param: nn.Parameter, grad: Tensor, hypers: Hypers, plan: StepPlan, copy: Tensor | None
+    ) -> None:
         # a bf16 retained gradient, widened to fp32 a chunk at a time (clipped by value there)
         if self._widening is None:
             self._widening = torch.empty(self.transfer.chunk_numel, dtype=torch.float32)
@@ -360,4 +368,5 @@ class Updates:
             chunk.copy_(rows_of(grad, cut))
             if plan.clip_value is not None:
                 chunk.clamp_(-plan.clip_value, plan.clip_value)
-            self.optimizer.update([param], [chunk], hypers, rows=[cut], grad_scale=plan.grad_scale)
+            copies = [rows_of(copy, cut) if copy is not None else None]
+            self.optimizer.update([param], [chunk], hypers, rows=[cut], grad_scale=plan.grad_scale, copies=copies)

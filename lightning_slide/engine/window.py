@@ -4,7 +4,8 @@ the leftovers.
 Forward walks blocks 0..L-1 and backward L-1..0; while block i computes, the next ``num_slots - 1`` blocks' weights
 are on their way (:meth:`Window.release` sends them). A slot is reused in ring order, so block i lands in slot
 ``i % num_slots``; a buffer's ``tag`` says whose weights, at which version, it holds, so weights that have not been
-updated since they were sent are not sent again. A unit's weights go up only once its pending update is done.
+updated since they were sent are not sent again. A unit's weights go up only once its pending update is done; a
+delayed block's, in training, from its copy once that is taken (``delay.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import transfer as transfer_module
+from .delay import DelayedBlocks
 from .transfer import Transfer
 from .units import DeviceBuffer, Unit, max_sizes
 
@@ -51,9 +53,13 @@ class Window:
         others: units with a buffer of their own (the head, the leftovers).
         transfer: the host/device copier.
         num_slots: ring slots (>= 2).
+        delay: the delayed blocks' copies (``None``: no block is delayed).
     """
 
-    def __init__(self, blocks: list[Unit], others: list[Unit], transfer: Transfer, num_slots: int) -> None:
+    def __init__(
+        self, blocks: list[Unit], others: list[Unit], transfer: Transfer, num_slots: int,
+        delay: DelayedBlocks | None = None,
+    ) -> None:  # fmt: skip
         self.blocks = blocks
         self.num_slots = num_slots
         self.transfer = transfer
@@ -63,14 +69,26 @@ class Window:
         sizes = max_sizes(blocks)
         self.ring = [DeviceBuffer(sizes, transfer.device) for _ in range(num_slots)]
         self.own = {u: DeviceBuffer(u.numel, transfer.device) for u in others}
+        self.delay = delay
+        self.training = False  # the last unit acquired was for a training forward or backward
 
     def buffer(self, unit: Unit) -> DeviceBuffer:
         index = self.index.get(unit)
         return self.ring[index % self.num_slots] if index is not None else self.own[unit]
 
     def updated(self, unit: Unit) -> bool:
-        """No update of ``unit``'s parameters is pending."""
-        return all(owner.update_done is None or owner.update_done.done() for owner in unit.owners())
+        """Nothing ``unit``'s upload waits for is pending (an update, or a delayed block's copy)."""
+        return all(f is None or f.done() for f in self._awaited(unit))
+
+    def _awaited(self, unit: Unit) -> list[Future | None]:
+        if self.delay is not None and self.delay.sources(unit, self.training) is not None:
+            return [self.delay.done[unit]]
+        return [owner.update_done for owner in unit.owners()]
+
+    def _tag(self, unit: Unit) -> tuple:
+        if self.delay is not None and self.delay.sources(unit, self.training) is not None:
+            return unit, "copy", self.delay.version[unit]
+        return unit, sum(o.version for o in unit.owners())
 
     def wait_updates(self, unit: Unit) -> None:
         self.wait_for([owner.update_done for owner in unit.owners()])
@@ -85,15 +103,17 @@ class Window:
     def prefetch(self, unit: Unit) -> None:
         """Start sending ``unit``'s weights unless its buffer already holds them."""
         buf = self.buffer(unit)
-        if buf.tag != (unit, _version(unit)):
+        if buf.tag != self._tag(unit):
             self._upload(unit, buf)
 
     def _upload(self, unit: Unit, buf: DeviceBuffer) -> None:
-        self.wait_updates(unit)
-        buf.ready = self.transfer.upload(list(zip((p.data for p in unit.params), buf.views(unit))), after=buf.free)
-        buf.tag = (unit, _version(unit))
+        self.wait_for(self._awaited(unit))
+        sources = self.delay.sources(unit, self.training) if self.delay is not None else None
+        sources = sources or [p.data for p in unit.params]
+        buf.ready = self.transfer.upload(list(zip(sources, buf.views(unit))), after=buf.free)
+        buf.tag = self._tag(unit)
         self.stats.uploads += 1
-        self.stats.upload_bytes += unit.master_bytes
+        self.stats.upload_bytes += sum(t.numel() * t.element_size() for t in sources)
 
     def prefetch_updated(self, blocks: list[Unit]) -> None:
         """Send those of ``blocks`` whose updates are done (a thread waiting for another update meanwhile)."""
@@ -101,8 +121,10 @@ class Window:
             if self.updated(block):
                 self.prefetch(block)
 
-    def acquire(self, unit: Unit) -> list[Tensor]:
-        """The device copies of ``unit``'s parameters, ready for the current stream."""
+    def acquire(self, unit: Unit, training: bool = False) -> list[Tensor]:
+        """The device copies of ``unit``'s parameters, ready for the current stream (``training``: for a training
+        forward or its backward, which read a delayed block's copy)."""
+        self.training = training
         if torch.is_grad_enabled():
             self.order.setdefault(unit)
         self.prefetch(unit)
@@ -128,7 +150,3 @@ class Window:
             for other in self.own:
                 if last or self.updated(other):
                     self.prefetch(other)
-
-
-def _version(unit: Unit) -> int:
-    return sum(o.version for o in unit.owners())
