@@ -5,7 +5,8 @@ run) on the built-in corpus, bf16-mixed: plain
 Lightning (``--trainer.strategy auto``), ``strategy="slideformer"`` as it places the model (on a large GPU: whole on
 the device), the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU), streamed
 with ``optimizer_state="bf16"``, streamed with every block's update a step late (``delayed_update=True``: the default
-warmup of exact steps, and one; with and without the bf16 state), and plain Lightning in fp32, the reference the bf16
+warmup of exact steps; with and without the bf16 state; ``slideformer_stream_delayed_warmup1``: one exact step,
+``..._blocks2``: the first two blocks late), and plain Lightning in fp32, the reference the bf16
 runs are judged against (each run's root-mean-square distance to it is printed last).
 Each run is a fresh ``slide fit`` process; ``train/loss`` is logged every 5 steps. Appends one CSV row per logged
 step to --out (``plots.py`` draws them).
@@ -21,6 +22,7 @@ import csv
 import datetime
 import glob
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,9 +46,24 @@ SYSTEMS = {  # name: (`slide fit` overrides, precision; None: --precision)
         STREAM_DELAYED + ["--trainer.strategy.init_args.optimizer_state", "bf16"],
         None,
     ),
-    "slideformer_stream_delayed_warmup1": (STREAM_DELAYED + ["--trainer.strategy.init_args.delay_warmup", "1"], None),
     "plain_fp32": (["--trainer.strategy", "auto"], "32-true"),
 }
+# a delayed system's name may end in _warmup<N> (N exact steps first) and _blocks<K> (the first K blocks late)
+VARIANTS = {"warmup": "--trainer.strategy.init_args.delay_warmup",
+            "blocks": "--trainer.strategy.init_args.engine.delayed_blocks"}  # fmt: skip
+
+
+def overrides(system: str, blocks: int) -> tuple[list[str], str | None]:
+    """A system's `slide fit` overrides and precision (None: --precision)."""
+    variants = []
+    while match := re.fullmatch(r"(.+)_(warmup|blocks)(\d+)", system):
+        system, name, value = match.groups()
+        variants += [VARIANTS[name], value]
+    args, precision = SYSTEMS[system]
+    args = [arg.format(layers=blocks) for arg in args] + variants
+    return args, precision
+
+
 MODELS = {  # name: (`slide fit` overrides, blocks)
     "quickstart-1024x8": (["--model.config.hidden_size", "1024", "--model.config.intermediate_size", "2816",
                            "--model.config.num_hidden_layers", "8", "--model.config.num_attention_heads", "16",
@@ -62,7 +79,7 @@ def run(system: str, model: str, steps: int, precision: str, accelerator: str, r
                "--trainer.log_every_n_steps", "5", "--trainer.val_check_interval", str(steps), "--trainer.precision",
                precision, "--trainer.accelerator", accelerator, "--trainer.default_root_dir", root,
                "--trainer.enable_progress_bar", "false", *MODELS[model][0]]  # fmt: skip
-    command += [arg.format(layers=MODELS[model][1]) for arg in SYSTEMS[system][0]]
+    command += overrides(system, MODELS[model][1])[0]
     subprocess.run(command, check=True)
     (metrics,) = glob.glob(os.path.join(root, "lightning_logs", "*", "metrics.csv"))
     with open(metrics) as f:
@@ -83,7 +100,7 @@ def main() -> None:
     env = environment() if args.accelerator == "gpu" else {"date": datetime.date.today().isoformat(), "gpu": "none"}
     curves = {}
     for system in args.systems.split(","):
-        precision = SYSTEMS[system][1] or args.precision
+        precision = overrides(system, MODELS[args.model][1])[1] or args.precision
         with tempfile.TemporaryDirectory() as root:
             curves[system] = dict(run(system, args.model, args.steps, precision, args.accelerator, root))
         for step, loss in curves[system].items():

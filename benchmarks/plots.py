@@ -99,16 +99,20 @@ def loss(plt, path: str, out: str) -> None:
         rows = list(csv.DictReader(f))
     if not rows:
         return
-    date = max(r["date"] for r in rows)  # the newest run of each system, drawn together
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for system, precision in dict.fromkeys((r["system"], r["precision"]) for r in rows if r["date"] == date):
-        points = {int(r["step"]): float(r["train_loss"]) for r in rows if r["system"] == system and r["date"] == date}
-        ax.plot(list(points), list(points.values()), label=f"{system} ({precision})", linewidth=1.2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("train/loss")
-    ax.set_yscale("log")
-    ax.set_title(f"{rows[-1]['model']}, {rows[-1]['gpu']} ({date})")
-    ax.legend(fontsize=8)
+    date = max(r["date"] for r in rows)  # the newest run of each system, drawn together, a panel per model
+    rows = [r for r in rows if r["date"] == date]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.4 * len(models), 4.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        these = [r for r in rows if r["model"] == model]
+        for system, precision in dict.fromkeys((r["system"], r["precision"]) for r in these):
+            points = {int(r["step"]): float(r["train_loss"]) for r in these if r["system"] == system}
+            ax.plot(list(points), list(points.values()), label=f"{system} ({precision})", linewidth=1.0)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("train/loss")
+        ax.set_yscale("log")
+        ax.set_title(f"{model}, {these[-1]['gpu'].replace('none', 'CPU')} ({date})")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "loss.png"), dpi=120)
 

@@ -38,6 +38,7 @@ def _every_process_holds_the_trained_weights(tmp_path, devices: int) -> None:
     assert all(w == weights[0] for w in weights[1:])
 
 
+@pytest.mark.slow  # two runs of two processes: ~50 s on a 2-core CI machine, a sixth of the default suite
 def test_two_processes_train_as_ddp(tmp_path):
     # tied embeddings, AdamW with two param groups and a scheduler (helpers.CausalLM); each process starts from
     # other weights: the first process's reach the others, as under DDP

@@ -89,7 +89,7 @@ def test_delayed_blocks_in_bf16_follow_the_rule_as_closely_as_plain_bf16(acceler
 
     class Copies(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            dtypes.update(c.dtype for c in trainer.strategy.engine.state_io.delay.live.values())
+            dtypes.update(c.dtype for c in trainer.strategy.engine.delay.live.values())
 
     module = Stepping(tiny_config("llama"), scheduler=False)
     got, _ = fit(module, delayed(3, warmup=2), steps=7, precision="bf16-mixed", accelerator=accelerator,
@@ -112,7 +112,7 @@ def test_the_bf16_kernel_writes_the_next_weights_as_it_updates(clip):
 
     class Spare(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            delay = trainer.strategy.engine.state_io.delay
+            delay = trainer.strategy.engine.delay
             trainer.strategy.engine.worker.drain()
             if delay.filled and trainer.global_step > delay.warmup:
                 checked.append(all(torch.equal(c, p.data.to(c.dtype)) for p, c in delay.spare.items()))

@@ -21,7 +21,7 @@ from lightning_slide.kernels import norm as norm_kernel
 
 pytestmark = pytest.mark.slow
 
-TOL = 1e-3  # relative update difference from plain Lightning, beside the rounding a second plain run shows
+TOL = 1e-3  # relative update difference from plain Lightning, beside any rounding a second plain run shows
 MAX_PARAMS = 5_000_000
 # the config fields of a tiny model; each family takes those its config has
 TINY = dict(
@@ -32,6 +32,9 @@ TINY = dict(
     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
     n_input_layers=1, n_output_layers=1,  # looped models (Dory): each layer once per loop, as in their own configs
     mamba_chunk_size=16, mamba_d_state=16,  # Mamba2 mixers (Falcon-H1): their reference scan pads to a whole chunk
+    chunk_size=16, mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, moe_shared_expert_intermediate_size=32,
+    swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,  # Inkling's sliding-window layers
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
 )  # fmt: skip
 SEQ2SEQ = ("t5", "bart")
 
@@ -101,14 +104,14 @@ def test_family_trains_as_plain_lightning_or_is_refused(family):
         ref, _ = fit(module, "auto", **kwargs)
     except Exception as err:
         pytest.skip(f"{family}: plain Lightning cannot train it: {type(err).__name__}: {str(err)[:200]}")
-    ref2, _ = fit(module, "auto", **kwargs)
-    rounding = _relative_update(ref2, ref, start)
     try:
         ours, _ = fit(module, SlideFormerStrategy(num_slots=2), **kwargs)
     except BoundaryError:
         _assert_refused_before_any_update(module, start)
         return
-    err = _relative_update(ours, ref, start)
+    err, rounding = _relative_update(ours, ref, start), 0.0
+    if err > TOL:  # beside the rounding a second plain run shows
+        rounding = _relative_update(fit(module, "auto", **kwargs)[0], ref, start)
     assert err <= TOL + rounding, f"{family}: relative update difference {err:.2e} (plain vs plain: {rounding:.2e})"
 
 
@@ -162,6 +165,19 @@ def test_fused_ops_leave_every_family_computing_the_same(family):
         restore()
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
     assert got[1].keys() == want[1].keys()
+    exact = None
     for name, grad in want[1].items():
         err = ((got[1][name] - grad).norm() / grad.norm().clamp_min(1e-6)).item()
+        if err >= 1e-4:  # a tiny gradient fp32 rounds coarsely (Doge's A: 2e-4 plain vs float64): twice plain's error
+            exact = exact or _float64_grads(module, loss_and_grads)
+            excess = (got[1][name] - exact[name]).norm() - 2 * (grad - exact[name]).norm()
+            err = (excess / exact[name].norm().clamp_min(1e-6)).item()
         assert err < 1e-4, f"{name}: {err:.2e}"
+
+
+def _float64_grads(module: ZooLM, loss_and_grads) -> dict:
+    module.double()
+    try:
+        return {name: grad.float() for name, grad in loss_and_grads()[1].items()}
+    finally:
+        module.float()

@@ -92,6 +92,12 @@ class DelayedBlocks:
         if pairs:
             self.worker.submit(_copy, pairs)
 
+    def release(self) -> None:
+        """Drop the copies (training is over: the masters hold every update)."""
+        self.live.clear()
+        self.spare.clear()
+        self.filled = False
+
     def _uploaded(self):
         return self.transfer.record(self.transfer.upload_stream) if self.transfer.is_cuda else None
 

@@ -172,6 +172,7 @@ class SlideEngine:
         self.offload = Offloading(offload_activations, len(self.blocks))  # the block inputs kept in RAM
         self.activations: ActivationStash | None = None  # its stash, from setup
         self.rows: EmbeddingRows | None = None
+        self.delay: DelayedBlocks | None = None  # the delayed blocks' copies, from setup
         self._unpatch: list = []  # what puts the modules' own forwards back
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self.step: Step | None = None  # the optimizer step's lifecycle (training only; step.py)
@@ -319,10 +320,10 @@ class SlideEngine:
         elif self.transfer.is_cuda:
             for unit in self.units:
                 self.transfer.pin(unit.owned())
-        delay = DelayedBlocks(self.delayed, self.transfer, self.worker, self._delay_warmup,
-                              self.streamed_trainable()) if self.delayed else None  # fmt: skip
-        self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots, delay)
-        self.state_io.delay = delay
+        self.delay = DelayedBlocks(self.delayed, self.transfer, self.worker, self._delay_warmup,
+                                   self.streamed_trainable()) if self.delayed else None  # fmt: skip
+        self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots, self.delay)
+        self.state_io.delay = delay = self.delay
         if self.embedding is not None:
             self.rows = EmbeddingRows(
                 self.embedding, window=self.window, transfer=self.transfer,
@@ -390,7 +391,7 @@ class SlideEngine:
             self.transfer.close()  # first: each unit's pinned copies are freed as its masters come back below
             # what only training needs leaves the host before the resident units' weights come to it (below) and,
             # in Lightning's teardown, their optimizer state: the host's peak after fit is not training's plus theirs
-            for part in (self.updates, self.activations, self.rows):
+            for part in (self.updates, self.activations, self.rows, self.delay):
                 if part is not None:
                     part.release()
             if self.optimizer is not None and self.optimizer.store is not None:
