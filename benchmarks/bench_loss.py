@@ -72,14 +72,15 @@ MODELS = {  # name: (`slide fit` overrides, blocks)
 }  # fmt: skip
 
 
-def run(system: str, model: str, steps: int, precision: str, accelerator: str, root: str) -> list[tuple[int, float]]:
+def run(system: str, model: str, steps: int, precision: str, accelerator: str, root: str, lr: str | None
+        ) -> list[tuple[int, float]]:  # fmt: skip
     """``slide fit`` of one system; its (step, train/loss) points."""
     recipe = os.path.join(ROOT, "recipes", "quickstart.yaml")
     command = [sys.executable, "-m", "lightning_slide", "fit", "--config", recipe, "--trainer.max_steps", str(steps),
                "--trainer.log_every_n_steps", "5", "--trainer.val_check_interval", str(steps), "--trainer.precision",
                precision, "--trainer.accelerator", accelerator, "--trainer.default_root_dir", root,
                "--trainer.enable_progress_bar", "false", *MODELS[model][0]]  # fmt: skip
-    command += overrides(system, MODELS[model][1])[0]
+    command += overrides(system, MODELS[model][1])[0] + (["--model.lr", lr] if lr else [])
     subprocess.run(command, check=True)
     (metrics,) = glob.glob(os.path.join(root, "lightning_logs", "*", "metrics.csv"))
     with open(metrics) as f:
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--model", choices=list(MODELS), default="quickstart-1024x8")
+    parser.add_argument("--lr", default=None, help="another learning rate than the recipe's 3e-3")
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loss.csv")
     )
@@ -102,9 +104,10 @@ def main() -> None:
     for system in args.systems.split(","):
         precision = overrides(system, MODELS[args.model][1])[1] or args.precision
         with tempfile.TemporaryDirectory() as root:
-            curves[system] = dict(run(system, args.model, args.steps, precision, args.accelerator, root))
+            curves[system] = dict(run(system, args.model, args.steps, precision, args.accelerator, root, args.lr))
         for step, loss in curves[system].items():
-            append_row(args.out, {**env, "model": args.model, "precision": precision,
+            model = f"{args.model}, lr {args.lr}" if args.lr else args.model
+            append_row(args.out, {**env, "model": model, "precision": precision,
                                   "system": system, "step": step, "train_loss": loss})  # fmt: skip
     if "plain_fp32" in curves:
         print("root-mean-square distance of train/loss to plain_fp32's:")

@@ -41,7 +41,7 @@ def newest(rows: list[dict], key, until: str | None) -> dict:
 def core_rows(path: str, until: str | None) -> dict:
     with open(path) as f:
         rows = [r for r in csv.DictReader(f) if r.get("accumulate", "1") in ("", "1") and r["step_s"] != "nan"]
-    rows = [r for r in rows if (r["system"], r["schedule"]) in SYSTEMS]
+    rows = [r for r in rows if (r["system"], r["schedule"]) in SYSTEMS and r["gpu"].startswith("NVIDIA H200")]
     return newest(rows, lambda r: (r["system"], r["schedule"], int(r["tokens"])), until)
 
 
