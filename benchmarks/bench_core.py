@@ -3,7 +3,7 @@
 (a) SlideFormer through ``Trainer(strategy="slideformer")`` with the module a user writes
     (``self.model(input_ids=ids, labels=ids).loss``), GPU capped at --gpu-cap-gib, schedule "backward"
     (no clipping) and "forward" (``gradient_clip_val=1.0``); ``--schedules`` may add "norm-first" (clipping at 1.0
-    with two backward passes);
+    with two backward passes) and "auto" (no clipping, the schedule the strategy picks);
 (b) everything on the GPU: fp32 masters, bf16 autocast, fused AdamW, Hugging Face recompute (uncapped);
 (c) FSDP2 ``fully_shard`` per block with ``CPUOffloadPolicy(pin_memory=True)`` and a bf16 MixedPrecisionPolicy on
     a world of one (uncapped);
@@ -200,13 +200,13 @@ def run_slideformer(
 
     start_measure()
     trainer = L.Trainer(
-        strategy=lightning_slide.SlideFormerStrategy(
-            cpu_threads=threads, update_schedule=schedule, engine=config, **(strategy_args or {})
+        strategy=lightning_slide.SlideFormerStrategy(  # --strategy update_schedule=... overrides the schedule's
+            **{"cpu_threads": threads, "update_schedule": schedule, "engine": config, **(strategy_args or {})}
         ),
         precision="bf16-mixed",
         max_steps=warmup + steps + 1,
         accumulate_grad_batches=accumulate,
-        gradient_clip_val=None if schedule == "backward" else 1.0,
+        gradient_clip_val=None if schedule in ("backward", "auto") else 1.0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Clock()],
     )  # fmt: skip

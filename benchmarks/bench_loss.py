@@ -6,7 +6,8 @@ Lightning (``--trainer.strategy auto``), ``strategy="slideformer"`` as it places
 the device), the same with ``placement="stream"`` (every block through the window, the optimizer on the CPU), streamed
 with ``optimizer_state="bf16"``, streamed with every block's update a step late (``delayed_update=True``: the default
 warmup of exact steps; with and without the bf16 state; ``slideformer_stream_delayed_warmup1``: one exact step,
-``..._blocks2``: the first two blocks late), and plain Lightning in fp32, the reference the bf16
+``..._blocks2``: the first two blocks late), plain Lightning with the delayed rule as a callback (``delayed_rule.py``:
+what the rule does without the strategy), and plain Lightning in fp32, the reference the bf16
 runs are judged against (each run's root-mean-square distance to it is printed last).
 Each run is a fresh ``slide fit`` process; ``train/loss`` is logged every 5 steps. Appends one CSV row per logged
 step to --out (``plots.py`` draws them).
@@ -47,6 +48,11 @@ SYSTEMS = {  # name: (`slide fit` overrides, precision; None: --precision)
         None,
     ),
     "plain_fp32": (["--trainer.strategy", "auto"], "32-true"),
+    # the delayed rule without the strategy (``delayed_rule.py``): every block late after 20 exact steps
+    "plain_delayed_rule": (
+        ["--trainer.strategy", "auto", "--trainer.callbacks+=benchmarks.delayed_rule.DelayedRule"],
+        None,
+    ),
 }
 # a delayed system's name may end in _warmup<N> (N exact steps first) and _blocks<K> (the first K blocks late)
 VARIANTS = {"warmup": "--trainer.strategy.init_args.delay_warmup",
@@ -81,7 +87,7 @@ def run(system: str, model: str, steps: int, precision: str, accelerator: str, r
                precision, "--trainer.accelerator", accelerator, "--trainer.default_root_dir", root,
                "--trainer.enable_progress_bar", "false", *MODELS[model][0]]  # fmt: skip
     command += overrides(system, MODELS[model][1])[0] + (["--model.lr", lr] if lr else [])
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, cwd=ROOT)  # cwd: benchmarks.delayed_rule importable
     (metrics,) = glob.glob(os.path.join(root, "lightning_logs", "*", "metrics.csv"))
     with open(metrics) as f:
         return [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r.get("train/loss")]
