@@ -16,20 +16,21 @@ class DelayedRule(L.Callback):
         self.warmup, self.blocks = warmup, blocks
         self.held: dict[torch.nn.Parameter, torch.Tensor] = {}  # the late weights of before the last update
         self.masters: dict[torch.nn.Parameter, torch.Tensor] = {}  # the current weights while the step runs
+        self.late: list[torch.nn.Parameter] = []
 
-    def late(self, module: L.LightningModule) -> list[torch.nn.Parameter]:
-        layers = module.model.model.layers
-        return [p for layer in layers[: self.blocks] for p in layer.parameters() if p.requires_grad]
+    def on_fit_start(self, trainer, pl_module) -> None:
+        layers = pl_module.model.model.layers
+        self.late = [p for layer in layers[: self.blocks] for p in layer.parameters() if p.requires_grad]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step > self.warmup:
-            for p in self.late(pl_module):
+            for p in self.late:
                 if p not in self.masters:  # the first micro-batch of the step
                     self.masters[p] = p.data.clone()
                     p.data.copy_(self.held[p])
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        for p in self.late(pl_module):
+        for p in self.late:
             current = self.masters.pop(p, None)
             if current is None:
                 current = p.data.clone()
