@@ -1,5 +1,6 @@
-"""Attention benchmark (GPU machine): our Triton flash attention against SDPA (flash and cuDNN backends, forced one
-at a time) and FlexAttention, causal, bf16, B=2, Hq=32, Hkv=8, D=128, in one run; plus a packed batch of 16
+"""Attention benchmark (GPU machine): our Triton flash attention, and ``attn_implementation="slide"``'s dispatch (a
+dense batch to cuDNN where cuDNN takes it), against SDPA (flash and cuDNN backends, forced one at a time) and
+FlexAttention, causal, bf16, B=2, Hq=32, Hkv=8, D=128, in one run; plus a packed batch of 16
 documents of random lengths (16k tokens) against the dense kernel at the same total length and against the
 explicit-mask SDPA that Hugging Face falls back to for packed sequences; FlashAttention-2 (varlen) and
 FlexAttention run the packed batch too, beside their own dense runs at that length.
@@ -24,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import lightning_slide.kernels.attention as attention
+from lightning_slide.attention import slide_attention_forward
 from lightning_slide.kernels.attention import flash_attention
 from results_csv import append_row, environment
 
@@ -95,6 +97,8 @@ def dense_systems(q, k, v):
     flex = torch.compile(flex_attention)
     return {
         "ours": lambda: flash_attention(q, k, v, causal=True),
+        # attn_implementation="slide" as a model runs it: a dense batch goes to cuDNN where cuDNN takes it
+        "slide_dispatch": lambda: slide_attention_forward(None, qt, kt, vt, None, is_causal=True)[0],
         "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "flex": lambda: flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True),

@@ -1,21 +1,20 @@
 """Fused linear cross-entropy: the loss of ``hidden @ weight.T (+ bias)`` without the (tokens x vocabulary) logits.
 
-Two ways to walk the (tokens x vocabulary) matrix, both rounding each gradient once, as plain PyTorch does:
+Two ways to walk the (tokens x vocabulary) matrix (the kernels for one chunk are in ``cross_entropy_chunk.py``):
 
-- **Two passes, vocabulary chunks** (fewer tokens than ``Tuning.one_pass_min_tokens``, no gradient wanted, or no room
-  on the GPU for the one pass; ``one_pass=`` forces either). Pass 1
-  (forward) computes each chunk's logits with one matmul and folds them into a running log-sum-exp per token
-  (``_lse_kernel``). Pass 2 (backward) recomputes each chunk's logits, turns them into their gradient in place
-  (``_grad_kernel``), and takes two matmuls: the hidden gradient accumulates in fp32 across chunks, and the weight
-  gradient of the chunk comes from one matmul over *all* tokens. No fp32 (vocabulary x hidden) buffer, at the cost
-  of a fourth matmul (the recompute): 4 x 2NHV FLOPs instead of 3 x 2NHV.
-- **One pass, token chunks** (many tokens, a gradient wanted, and on CUDA room for it). The forward computes each
-  token chunk's logits over the whole vocabulary, its log-sum-exp, its gradient in place, and both gradient
-  matmuls; the weight gradient accumulates in an fp32 (vocabulary x hidden) buffer, the hidden gradient is one
-  matmul per chunk. The backward only scales them by the incoming gradient. 3 x 2NHV FLOPs, for 4 bytes per head
-  parameter of device memory between forward and backward (Liger-Kernel's FLCE also computes its gradients in the
-  forward). They are saved tensors of the autograd node, so its backward frees them at once (unless the graph is
-  retained).
+- **One pass, token chunks** (the default when a gradient is wanted and, on CUDA, there is room). The forward
+  computes each token chunk's logits over the whole vocabulary, its log-sum-exp, its gradient in place, and both
+  gradient matmuls: 3 x 2NHV FLOPs, as plain PyTorch. The hidden gradient of a chunk is one matmul over the
+  vocabulary; the weight gradient is summed over the chunks in the weight's own dtype, by cuBLAS in fp32 with one
+  rounding per chunk, so there are at most ``Tuning.max_token_chunks`` of them (the more roundings, the farther
+  from fp64: ``Tuning``). The gradients wait, in the weights' dtype, as saved
+  tensors; the backward scales them in place by the incoming gradient (Liger-Kernel's FLCE also computes its
+  gradients in the forward).
+- **Two passes, vocabulary chunks** (no gradient wanted, ``reduction="none"``, no room on the GPU for the one pass,
+  or ``one_pass=False``). Pass 1 (forward) computes each chunk's logits with one matmul and folds them into a running
+  log-sum-exp per token. Pass 2 (backward) recomputes each chunk's logits, turns them into their gradient in place,
+  and takes two matmuls: the hidden gradient accumulates in fp32 across chunks, and the weight gradient of the chunk
+  comes from one matmul over *all* tokens, rounded once. A fourth matmul (the recompute): 4 x 2NHV FLOPs.
 
 Per token t with logits z (after the optional soft-cap ``c * tanh(x / c)``), target y, smoothing e, z-loss a:
 
@@ -23,27 +22,24 @@ Per token t with logits z (after the optional soft-cap ``c * tanh(x / c)``), tar
     loss = lse - (1 - e) * z_y - (e / V) * sum_j z_j + a * lse^2
     dloss/dz_j = softmax_j * (1 + 2 a lse) - (1 - e) [j == y] - e / V        (times 1 - (z_j / c)^2 for the cap)
 
-Layering (as Liger-Kernel's): Triton kernels -> launchers ``flce_forward`` / ``flce_backward`` ->
+Layering (as Liger-Kernel's): chunk kernels -> walks ``flce_one_pass`` / ``flce_forward`` + ``flce_backward`` ->
 ``FusedLinearCrossEntropyFunction`` -> ``FusedLinearCrossEntropy`` (module) -> ``fused_linear_cross_entropy``.
-``fused_linear_cross_entropy_ref`` is the readable full-logits reference. On the CPU (without
-``TRITON_INTERPRET=1``) the two kernels' work is done by the equivalent torch ops in ``_lse_chunk_torch`` and
-``_grad_chunk_torch``.
+``fused_linear_cross_entropy_ref`` is the readable full-logits reference.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import Tensor
 
+from .cross_entropy_chunk import _INTERPRET, CEOptions, RowStats, fold_lse, logits_to_grad, token_losses
 from .tunable import Tunable
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+__all__ = ["_INTERPRET", "FusedLinearCrossEntropy", "Tuning", "fused_linear_cross_entropy",
+           "fused_linear_cross_entropy_ref", "tuning", "workspace_bytes"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,20 +49,24 @@ class Tuning:
     Args:
         triton: the Triton kernels (``True``) or the same algorithm in torch ops (``False``); ``None``: Triton on CUDA
             (and on the CPU under ``TRITON_INTERPRET=1``).
+        one_pass: the walk when a call does not say (module docstring); ``None``: one pass where a gradient is wanted
+            and, on CUDA, there is room for it.
         chunk_elements: logits per vocabulary chunk (N x Vc) of the two-pass walk, 64 MiB in bf16 ...
         min_chunk_cols: ... but at least this many vocabulary columns: every chunk reads and writes the fp32 hidden
             gradient (N x H) once.
-        one_pass_min_tokens: from this many tokens the loss takes one pass (module docstring): at 32k tokens and a
-            128k vocabulary the recompute costs more than the fp32 weight gradient; below, less.
-        one_pass_chunk_elements: logits per token chunk (n x V) of the one-pass walk, 1 GiB in bf16 ...
-        min_chunk_rows: ... but at least this many tokens (whole tiles for the matmuls).
+        one_pass_chunk_elements: logits per token chunk (n x V) of the one pass, 256 MiB in bf16 ...
+        max_token_chunks: ... or larger chunks, so that there are at most this many: each rounds the weight
+            gradient's running sum once (in bf16, 8 chunks put it 1.27x as far from fp32 as plain bf16's at 8k tokens,
+            H 4096 and V 128k, 1.84x at 32k; ``benchmarks/NOTES.md``) ...
+        min_chunk_rows: ... in whole tiles of this many tokens for the matmuls.
     """
 
     triton: bool | None = None
+    one_pass: bool | None = None
     chunk_elements: int = 1 << 25
     min_chunk_cols: int = 4096
-    one_pass_min_tokens: int = 16384
-    one_pass_chunk_elements: int = 1 << 29
+    one_pass_chunk_elements: int = 1 << 27
+    max_token_chunks: int = 8
     min_chunk_rows: int = 128
 
 
@@ -77,229 +77,49 @@ tuning = Tunable(Tuning())
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _configs() -> list[triton.Config]:
-    # NOTE: one config when interpreting: multi-config autotuning fails under TRITON_INTERPRET=1.
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_V": 256}, num_warps=4)]
-    return [triton.Config({"BLOCK_V": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)]
-
-
-# NOTE: both kernels update their arguments in place; restore_value keeps autotuning's trial runs from compounding.
-@triton.autotune(
-    configs=_configs(),
-    key=["n_cols"],
-    restore_value=["max_ptr", "sumexp_ptr", "target_logit_ptr", "sum_z_ptr", "best_ptr", "best_idx_ptr"],
-)
-@triton.jit
-def _lse_kernel(
-    logits_ptr, stride_row, target_ptr, max_ptr, sumexp_ptr, target_logit_ptr, sum_z_ptr, best_ptr, best_idx_ptr,
-    n_cols, col_offset, softcap,
-    HAS_SOFTCAP: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    # logits: (N, n_cols), one vocabulary chunk starting at col_offset; one program per token row.
-    # Folds the chunk into the row's running max m and sum of exp(z - m) (online softmax), picks z[target].
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
-    target = tl.load(target_ptr + row) - col_offset
-    m = tl.load(max_ptr + row)
-    s = tl.load(sumexp_ptr + row)
-    z_target = tl.load(target_logit_ptr + row)
-    sum_z = 0.0
-    best = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.zeros((), tl.int64)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        inside = cols < n_cols
-        z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
-        z = tl.where(inside, z, float("-inf"))  # after the cap, which would map -inf to -softcap
-        m_new = tl.maximum(m, tl.max(z, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-        m = m_new
-        z_target += tl.sum(tl.where(cols == target, z, 0.0), 0)
-        if SUM_Z:
-            sum_z += tl.sum(tl.where(inside, z, 0.0), 0)
-        if ARGMAX:
-            block_best = tl.max(z, 0)
-            block_idx = tl.argmax(z, 0).to(tl.int64) + start
-            better = block_best > best
-            best_idx = tl.where(better, block_idx, best_idx)
-            best = tl.maximum(best, block_best)
-    tl.store(max_ptr + row, m)
-    tl.store(sumexp_ptr + row, s)
-    tl.store(target_logit_ptr + row, z_target)
-    if SUM_Z:
-        tl.store(sum_z_ptr + row, tl.load(sum_z_ptr + row) + sum_z)
-    if ARGMAX:
-        old = tl.load(best_ptr + row)
-        better = best > old  # strictly: an earlier chunk keeps ties, as torch.argmax does
-        tl.store(best_ptr + row, tl.where(better, best, old))
-        tl.store(best_idx_ptr + row, tl.where(better, best_idx + col_offset, tl.load(best_idx_ptr + row)))
-
-
-@triton.autotune(configs=_configs(), key=["n_cols"], restore_value=["logits_ptr"])
-@triton.jit
-def _grad_kernel(
-    logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr,
-    n_cols, col_offset, vocab, softcap, smoothing, z_loss,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    # logits: (N, n_cols), overwritten in place with dloss/dlogits times the row's scale (0 for ignored rows).
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
-    target = tl.load(target_ptr + row) - col_offset
-    lse = tl.load(lse_ptr + row)
-    scale = tl.load(scale_ptr + row)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        inside = cols < n_cols
-        z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
-        g = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing / vocab
-        g = tl.where(cols == target, g - (1.0 - smoothing), g)
-        if HAS_SOFTCAP:
-            g = g * (1.0 - (z / softcap) * (z / softcap))
-        tl.store(base + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _tanh(x):
-    # tanh from exp (portable, interpreter included): (1 - e) / (1 + e) with e = exp(-2|x|) is exact to a few
-    # ulps for |x| >= 0.1; below, where 1 - e cancels, the series x - x^3/3 + 2x^5/15 - 17x^7/315 is.
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    a2 = a * a
-    small = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 - a2 * (17.0 / 315.0))))
-    t = tl.where(a < 0.1, small, big)
-    return tl.where(x >= 0, t, -t)
-
-
-@dataclass(frozen=True)
-class CEOptions:
-    """The loss's options, passed to the autograd function as one object."""
-
-    ignore_index: int = -100
-    reduction: str = "mean"
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    softcap: float | None = None
-    return_correct: bool = False
-    one_pass: bool | None = None
-
-
-@dataclass
-class _RowStats:
-    """Per-token running statistics of pass 1 (all fp32 except ``best_idx``)."""
-
-    max: Tensor
-    sumexp: Tensor
-    target_logit: Tensor
-    sum_z: Tensor
-    best: Tensor
-    best_idx: Tensor
-
-    @classmethod
-    def empty(cls, n: int, device: torch.device) -> _RowStats:
-        def full(value, dtype=torch.float32):
-            return torch.full((n,), value, dtype=dtype, device=device)
-
-        return cls(full(float("-inf")), full(0.0), full(0.0), full(0.0), full(float("-inf")), full(0, torch.int64))
-
-
 def _use_triton(t: Tensor) -> bool:
     return tuning.value.triton if tuning.value.triton is not None else _INTERPRET or t.is_cuda
 
 
 def _chunks(n: int, vocab: int):
-    size = min(vocab, max(tuning.value.min_chunk_cols, tuning.value.chunk_elements // max(n, 1)))
-    if 128 <= size < vocab:
-        size -= size % 128  # whole tiles for the matmuls
+    size = _vocab_cols(n, vocab)
     for v0 in range(0, vocab, size):
         yield v0, min(vocab, v0 + size)
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int) -> Tensor:
-    # h: (N, H) in the weight's dtype; returns x = h @ W[v0:v1].T + b[v0:v1]: (N, v1 - v0)
+def _vocab_cols(n: int, vocab: int) -> int:
+    # vocabulary columns per chunk of the two-pass walk
+    size = min(vocab, max(tuning.value.min_chunk_cols, tuning.value.chunk_elements // max(n, 1)))
+    return size - size % 128 if 128 <= size < vocab else size  # whole tiles for the matmuls
+
+
+def _token_rows(n: int, vocab: int) -> int:
+    # tokens per chunk of the one pass: the logits budget's, or more where that would make over max_token_chunks
+    walk, tile = tuning.value, tuning.value.min_chunk_rows
+    budget = max(tile, walk.one_pass_chunk_elements // vocab // tile * tile)
+    fewest = -(-n // walk.max_token_chunks)
+    return max(1, min(n, max(budget, -(-fewest // tile) * tile)))
+
+
+def workspace_bytes(tokens: int, vocab: int, hidden: int, itemsize: int, one_pass: bool) -> int:
+    """Device bytes the loss takes at its largest beside its inputs and outputs' usual holders: a chunk of logits,
+    and with one pass the gradients of the head and the hidden states, which it holds from forward to backward."""
+    if one_pass:
+        return itemsize * (_token_rows(tokens, vocab) * vocab + (vocab + tokens) * hidden)
+    return itemsize * tokens * _vocab_cols(tokens, vocab)
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: int, buf: Tensor) -> Tensor:
+    # h: (N, H) in the weight's dtype; x = h @ W[v0:v1].T + b[v0:v1]: (N, v1 - v0), written over the front of buf,
+    # the walk's one buffer for every chunk (a new tensor each would keep the last chunk alive beside the next)
+    x = buf[: h.shape[0] * (v1 - v0)].view(h.shape[0], v1 - v0)
     if bias is None:
-        return h @ weight[v0:v1].t()
-    return torch.addmm(bias[v0:v1].to(h.dtype), h, weight[v0:v1].t())
+        return torch.mm(h, weight[v0:v1].t(), out=x)
+    return torch.addmm(bias[v0:v1].to(h.dtype), h, weight[v0:v1].t(), out=x)
 
 
-def _lse_chunk_torch(x: Tensor, target: Tensor, stats: _RowStats, v0: int, opts: CEOptions) -> None:
-    z = x.float()
-    if opts.softcap:
-        z = opts.softcap * torch.tanh(z / opts.softcap)
-    m_new = torch.maximum(stats.max, z.max(1).values)
-    stats.sumexp.mul_(torch.exp(stats.max - m_new)).add_(torch.exp(z - m_new[:, None]).sum(1))
-    stats.max.copy_(m_new)
-    local = target - v0
-    inside = (local >= 0) & (local < z.shape[1])
-    picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
-    stats.target_logit.add_(torch.where(inside, picked, 0.0))
-    if opts.label_smoothing:
-        stats.sum_z.add_(z.sum(1))
-    if opts.return_correct:
-        best, idx = z.max(1)
-        better = best > stats.best
-        stats.best_idx.copy_(torch.where(better, idx + v0, stats.best_idx))
-        stats.best.copy_(torch.maximum(best, stats.best))
-
-
-def _grad_chunk_torch(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0: int, vocab: int, o: CEOptions):
-    raw = x.float()
-    z = o.softcap * torch.tanh(raw / o.softcap) if o.softcap else raw
-    g = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * o.z_loss * lse[:, None]) - o.label_smoothing / vocab
-    local = target - v0
-    inside = (local >= 0) & (local < z.shape[1])
-    hit = torch.where(inside, o.label_smoothing - 1.0, 0.0).unsqueeze(1)  # no host sync (unlike nonzero)
-    g.scatter_add_(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1), hit)
-    if o.softcap:
-        g = g * (1.0 - (z / o.softcap) ** 2)
-    x.copy_(g * scale[:, None])
-
-
-def _token_chunks(n: int, vocab: int):
-    size = min(n, max(tuning.value.min_chunk_rows, tuning.value.one_pass_chunk_elements // vocab))
-    if tuning.value.min_chunk_rows <= size < n:
-        size -= size % tuning.value.min_chunk_rows
-    for t0 in range(0, n, size):
-        yield t0, min(n, t0 + size)
-
-
-def _fold_lse(x: Tensor, target: Tensor, stats: _RowStats, v0: int, opts: CEOptions) -> None:
-    # folds the logits chunk x (tokens x columns from v0) into the running statistics
-    if not _use_triton(x):
-        _lse_chunk_torch(x, target, stats, v0, opts)
-        return
-    _lse_kernel[(x.shape[0],)](
-        x, x.stride(0), target, stats.max, stats.sumexp, stats.target_logit, stats.sum_z, stats.best, stats.best_idx,
-        x.shape[1], v0, float(opts.softcap or 1.0),
-        HAS_SOFTCAP=bool(opts.softcap), SUM_Z=bool(opts.label_smoothing), ARGMAX=opts.return_correct,
-    )  # fmt: skip
-
-
-def _logits_to_grad(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0: int, vocab: int, opts: CEOptions):
-    # overwrites the logits chunk x with dloss/dx times each token's scale
-    if not _use_triton(x):
-        _grad_chunk_torch(x, target, lse, scale, v0, vocab, opts)
-        return
-    _grad_kernel[(x.shape[0],)](
-        x, x.stride(0), target, lse, scale, x.shape[1], v0, vocab, float(opts.softcap or 1.0),
-        float(opts.label_smoothing), float(opts.z_loss), HAS_SOFTCAP=bool(opts.softcap),
-    )  # fmt: skip
-
-
-def _token_losses(stats: _RowStats, target: Tensor, vocab: int, opts: CEOptions):
-    lse = stats.max + torch.log(stats.sumexp)
-    valid = target != opts.ignore_index
-    eps = opts.label_smoothing
-    loss = lse - (1.0 - eps) * stats.target_logit - (eps / vocab) * stats.sum_z + opts.z_loss * lse * lse
-    loss = torch.where(valid, loss, 0.0)
-    correct = (stats.best_idx == target) & valid if opts.return_correct else None
-    return loss, lse, correct
+def _chunk_buffer(h: Tensor, elements: int) -> Tensor:
+    return torch.empty(elements, dtype=h.dtype, device=h.device)
 
 
 def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, opts: CEOptions):
@@ -310,10 +130,11 @@ def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Te
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     h = hidden.to(weight.dtype)
-    stats = _RowStats.empty(n, hidden.device)
+    stats = RowStats.empty(n, hidden.device)
+    buf = _chunk_buffer(h, n * _vocab_cols(n, vocab))
     for v0, v1 in _chunks(n, vocab):
-        _fold_lse(_chunk_logits(h, weight, bias, v0, v1), target, stats, v0, opts)
-    return _token_losses(stats, target, vocab, opts)
+        fold_lse(_chunk_logits(h, weight, bias, v0, v1, buf), target, stats, v0, opts, _use_triton(h))
+    return token_losses(stats, target, vocab, opts)
 
 
 def flce_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, lse: Tensor, scale: Tensor,
@@ -328,9 +149,10 @@ def flce_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     grad_h = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     grad_w = torch.empty_like(weight) if need_weight_grad else None
     grad_b = torch.empty(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
+    buf = _chunk_buffer(h, n * _vocab_cols(n, vocab))
     for v0, v1 in _chunks(n, vocab):
-        x = _chunk_logits(h, weight, bias, v0, v1)
-        _logits_to_grad(x, target, lse, scale, v0, vocab, opts)
+        x = _chunk_logits(h, weight, bias, v0, v1, buf)
+        logits_to_grad(x, target, lse, scale, v0, vocab, opts, _use_triton(h))
         _add_matmul(grad_h, x, weight[v0:v1])  # dh += dz @ W_c, summed over chunks in fp32
         if grad_w is not None:
             torch.mm(x.t(), h, out=grad_w[v0:v1])  # dW_c = dz.T @ h: one matmul over all tokens
@@ -344,33 +166,33 @@ def flce_one_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     """The loss and its gradients in one walk over token chunks. scale: as in :func:`flce_backward`.
 
     Returns:
-        per-token loss (N,) fp32, per-token correctness or None, and the fp32 gradients of hidden (N, H), weight
-        (V, H) and bias (V,), each None where not wanted.
+        per-token loss (N,) fp32, per-token correctness or None, and the gradients of hidden (N, H) and weight
+        (V, H) in the weight's dtype and of the bias (V,) in fp32, each None where not wanted.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     h = hidden.to(weight.dtype)
-    stats = _RowStats.empty(n, hidden.device)
+    triton_path = _use_triton(h)
+    stats = RowStats.empty(n, hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-
-    def zeros(*shape):
-        return torch.zeros(*shape, dtype=torch.float32, device=hidden.device)
-
-    grad_h = zeros(n, hidden.shape[1]) if need_hidden_grad else None
-    grad_w = zeros(vocab, hidden.shape[1]) if need_weight_grad else None
-    grad_b = zeros(vocab) if bias is not None else None
-    for t0, t1 in _token_chunks(n, vocab):
-        rows = _RowStats(*(t[t0:t1] for t in vars(stats).values()))
-        x = _chunk_logits(h[t0:t1], weight, bias, 0, vocab)
-        _fold_lse(x, target[t0:t1], rows, 0, opts)
-        torch.add(rows.max, torch.log(rows.sumexp), out=lse[t0:t1])
-        _logits_to_grad(x, target[t0:t1], lse[t0:t1], scale[t0:t1], 0, vocab, opts)
+    grad_h = torch.empty_like(h) if need_hidden_grad else None
+    grad_w = torch.empty_like(weight) if need_weight_grad else None
+    grad_b = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
+    rows = _token_rows(n, vocab)
+    buf = _chunk_buffer(h, rows * vocab)
+    for t0 in range(0, n, rows):
+        t1 = min(n, t0 + rows)
+        chunk = RowStats(*(t[t0:t1] for t in vars(stats).values()))
+        x = _chunk_logits(h[t0:t1], weight, bias, 0, vocab, buf)
+        fold_lse(x, target[t0:t1], chunk, 0, opts, triton_path)
+        torch.add(chunk.max, torch.log(chunk.sumexp), out=lse[t0:t1])
+        logits_to_grad(x, target[t0:t1], lse[t0:t1], scale[t0:t1], 0, vocab, opts, triton_path)
         if grad_h is not None:
-            _add_matmul(grad_h[t0:t1], x, weight)  # the whole vocabulary in one matmul
-        if grad_w is not None:
-            _add_matmul(grad_w, x.t(), h[t0:t1])  # summed over token chunks in fp32
+            torch.mm(x, weight, out=grad_h[t0:t1])  # the whole vocabulary in one matmul
+        if grad_w is not None:  # summed over the chunks: cuBLAS adds in fp32 and rounds once per chunk
+            torch.mm(x.t(), h[t0:t1], out=grad_w) if t0 == 0 else grad_w.addmm_(x.t(), h[t0:t1])
         if grad_b is not None:
             grad_b += x.sum(0, dtype=torch.float32)
-    loss, _, correct = _token_losses(stats, target, vocab, opts)
+    loss, _, correct = token_losses(stats, target, vocab, opts)
     return loss, correct, (grad_h, grad_w, grad_b)
 
 
@@ -386,16 +208,13 @@ def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def _one_pass(hidden: Tensor, weight: Tensor, opts: CEOptions, wants: tuple[bool, ...]) -> bool:
-    # the walk to take (module docstring); on CUDA the one pass needs room for its fp32 gradients and a logits chunk
-    if opts.one_pass is not None:
-        return opts.one_pass and any(wants[:3])
-    n, vocab = hidden.shape[0], weight.shape[0]
-    if opts.reduction == "none" or n < tuning.value.one_pass_min_tokens or not any(wants[:3]):
+    # the walk to take (module docstring)
+    if opts.reduction == "none" or not any(wants[:3]):
         return False
-    if not hidden.is_cuda:
-        return True
-    rows = next(_token_chunks(n, vocab))[1]
-    need = 4 * (vocab + n) * hidden.shape[1] + weight.element_size() * rows * vocab
+    chosen = opts.one_pass if opts.one_pass is not None else tuning.value.one_pass
+    if chosen is not None or not hidden.is_cuda:
+        return chosen is not False
+    need = workspace_bytes(hidden.shape[0], weight.shape[0], hidden.shape[1], weight.element_size(), True)
     return need <= device_room(hidden.device)
 
 
@@ -419,9 +238,26 @@ def _token_scale(grad: Tensor, valid: Tensor, normalizer, reduction: str) -> Ten
     return torch.where(valid, scale.expand(valid.shape), 0.0).contiguous()
 
 
-def _scaled(grad: Tensor | None, factor: Tensor, dtype: torch.dtype) -> Tensor | None:
-    # grad * factor in dtype, rounded once, leaving grad (kept by the graph) as it is
-    return None if grad is None else torch.mul(grad, factor, out=torch.empty_like(grad, dtype=dtype))
+def _scale_one_pass(saved: tuple, dtypes: tuple, factor: Tensor) -> list[Tensor | None]:
+    """The one pass's gradients (computed for an incoming gradient of 1) times ``factor``, in the inputs' dtypes.
+
+    A backward that frees the graph scales them in place, without a second copy of the head's gradient (1 GiB for a
+    bf16 head of 128k x 4096); one that keeps it (``retain_graph``) gets scaled copies, and the saved stay as they
+    are for the next.
+    """
+    in_place = not _keeps_graph()
+    return [
+        None if g is None
+        else g.mul_(factor) if in_place and g.dtype == dtype
+        else torch.mul(g, factor, out=torch.empty_like(g, dtype=dtype))
+        for g, dtype in zip(saved, dtypes)
+    ]  # fmt: skip
+
+
+def _keeps_graph() -> bool:
+    # whether the running backward retains the graph (the private query AOTAutograd asks too; absent: assume so)
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return query is None or query()
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -455,9 +291,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *_):
         if ctx.one_pass:  # the one-pass walk computed them for an incoming gradient of 1
-            factor = grad_out.float()
-            grads = (_scaled(g, factor, dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
-            return (*grads, None, None, None)
+            return (*_scale_one_pass(ctx.saved_tensors, ctx.dtypes, grad_out.float()), None, None, None)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         opts = ctx.opts
         scale = _token_scale(grad_out.float(), target != opts.ignore_index, ctx.normalizer, opts.reduction)
@@ -499,8 +333,8 @@ def fused_linear_cross_entropy(
         return_correct: also return (N,) booleans ``argmax(logits) == target`` (False where ignored).
         check_targets: verify every target is in ``[0, V)`` or ``ignore_index`` (needs a host sync; always done
             on the CPU).
-        one_pass: walk the tokens in one pass (``True``) or the vocabulary in two (``False``); ``None``: one pass
-            from ``Tuning.one_pass_min_tokens`` tokens when a gradient is wanted and, on CUDA, there is room for it
+        one_pass: walk the tokens in one pass (``True``) or the vocabulary in two (``False``); ``None``: as
+            ``Tuning.one_pass`` says, by default one pass when a gradient is wanted and, on CUDA, there is room for it
             (module docstring). One pass needs ``reduction`` "mean" or "sum".
 
     Returns:

@@ -67,7 +67,8 @@ class _WatchSteps(L.Callback):
 @pytest.mark.triton_loss
 @pytest.mark.parametrize("install_loss", [True, False])
 def test_no_full_logits_in_a_training_step(tune, install_loss):
-    tune(flce, chunk_elements=1000, min_chunk_cols=1)  # chunk the tiny vocabulary too
+    # chunk the tiny vocabulary (two passes) and its tokens (one pass: 8 chunks) too
+    tune(flce, chunk_elements=1000, min_chunk_cols=1, one_pass_chunk_elements=1, min_chunk_rows=1)
     watch = _WatchSteps()
     batch = 4
     fit(CausalLM(tiny_config("llama")), SlideFormerStrategy(install_loss=install_loss), steps=2, callbacks=[watch])

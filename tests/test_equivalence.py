@@ -45,11 +45,12 @@ def test_fp32_matches_plain_lightning(family, tied, accumulate, clip):
 
 @pytest.mark.triton_loss
 @pytest.mark.parametrize("clip", [None, pytest.param(0.05, marks=pytest.mark.slow)])
-def test_one_pass_loss_matches(tune, clip):
-    # the installed loss's one-pass walk (gradients in the forward, scaled by Lightning's 1/2 in the backward)
+def test_two_pass_loss_matches(tune, clip):
+    # the installed loss's two-pass walk (the other tests take the one pass: gradients in the forward, scaled by
+    # Lightning's 1/2 in the backward)
     import lightning_slide.kernels.linear_cross_entropy as flce
 
-    tune(flce, one_pass_min_tokens=1)
+    tune(flce, one_pass=False)
     module = CausalLM(tiny_config("llama", tied=True))
     kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=clip)
     ref, _ = fit(module, "auto", **kwargs)

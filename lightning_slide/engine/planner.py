@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.linear_cross_entropy import tuning
+from ..kernels.linear_cross_entropy import tuning, workspace_bytes
 from .machine import size_text
 from .nvme import page_aligned, row_numel, rows_per_block
 
@@ -240,12 +240,9 @@ def plain_activation_bytes(blocks: list[nn.Module], itemsize: int, logits: int =
 
 
 def fused_loss_bytes(tokens: int, vocab: int, hidden: int) -> int:
-    """Device bytes of the logits-free loss (``kernels/linear_cross_entropy.py``) at its largest: a bf16 chunk of
-    logits, and with one pass the fp32 gradients of the head and the hidden states."""
-    walk = tuning.value
-    one_pass = tokens >= walk.one_pass_min_tokens
-    chunk = max(walk.one_pass_chunk_elements if one_pass else walk.chunk_elements, tokens * walk.min_chunk_cols)
-    return 2 * min(tokens * vocab, chunk) + (4 * (vocab + tokens) * hidden if one_pass else 0)
+    """Device bytes of the logits-free loss (``kernels/linear_cross_entropy.py``) at its largest, in bf16: the walk
+    a training step takes (one pass, unless tuned off)."""
+    return workspace_bytes(tokens, vocab, hidden, 2, one_pass=tuning.value.one_pass is not False)
 
 
 @dataclass(frozen=True)
