@@ -1,13 +1,13 @@
 """Versions of the attention kernels side by side (GPU machine): each ``attention.py`` is loaded as a module of its
-own (it imports only torch and triton), and all run forward + backward on the same tensors, interleaved, three times
+own (with its folder's other kernel files), and all run forward + backward on the same tensors, interleaved, three times
 each (the middle time is kept). Cases: causal, bf16, 32/8 heads, D=128, dense B=2 at N=2048 and 8192, B=1 at
 16384, and bench_attention.py's packed batch (16 documents of random lengths in 16k tokens, within-document work
 counted). Appends CSV rows to --out: time, TFLOP/s, the time over the first version's, and the gradients' relative
 difference from the first version's. ``--tune-new NAME=INT`` runs the last version under its ``tuning(NAME=INT)``,
 so one file can be run against itself with another threshold.
 
-    git show main:kernels/attention.py > /tmp/attention_main.py
-    python benchmarks/bench_attention_ab.py /tmp/attention_main.py kernels/attention.py --labels main,branch
+    mkdir -p /tmp/main && git archive main kernels | tar -x -C /tmp/main
+    python benchmarks/bench_attention_ab.py /tmp/main/kernels/attention.py kernels/attention.py --labels main,branch
     python benchmarks/bench_attention_ab.py kernels/attention.py kernels/attention.py --tune-new flat_below=8 \
         --labels flat_below_32,flat_below_8
 """
@@ -15,8 +15,11 @@ so one file can be run against itself with another threshold.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import os
+import shutil
 import sys
+import tempfile
 from contextlib import nullcontext
 
 import torch
@@ -29,11 +32,14 @@ HQ, HKV, D = 32, 8, 128
 
 
 def load(name: str, path: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """The ``attention.py`` at ``path`` as ``name.attention``: a copy of its folder (its version of the kernels) becomes
+    a package of its own, so its relative imports (``attention_triton.py``, ``tunable.py``) resolve within it."""
+    root = tempfile.mkdtemp(prefix="attention_ab_")
+    package = os.path.join(root, name)
+    shutil.copytree(os.path.dirname(os.path.abspath(path)), package, ignore=shutil.ignore_patterns("__pycache__"))
+    open(os.path.join(package, "__init__.py"), "a").close()
+    sys.path.insert(0, root)
+    return importlib.import_module(f"{name}.{os.path.splitext(os.path.basename(path))[0]}")
 
 
 def tuned(module, items: list[str]):

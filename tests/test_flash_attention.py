@@ -6,6 +6,7 @@ import torch
 import triton
 
 import lightning_slide.kernels.attention as fa
+import lightning_slide.kernels.attention_triton as programs
 from helpers import kernel_path
 from lightning_slide.kernels.attention import FlashAttention, flash_attention, flash_attention_ref
 
@@ -105,12 +106,12 @@ def test_programs_take_the_longest_sequences_first():
 
 def test_short_sequence_configs_are_tried_only_for_short_sequences():
     # the configs that fit two programs on a multiprocessor won for short sequences and, picked by the autotuner
-    # at 8k and 16k tokens too, made those slower (H200); so the autotuner sees them only up to fa._SHORT tokens
+    # at 8k and 16k tokens too, made those slower (H200); so the autotuner sees them only up to programs._SHORT tokens
     long, short = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64})], [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32})]
-    prune = fa._for_length(long)
-    assert prune(long + short, {"seq_bucket": fa._SHORT}) == long + short
-    assert prune(long + short, {"seq_bucket": 2 * fa._SHORT}) == long
-    for kernel in (fa._fwd_kernel, fa._bwd_dq_kernel, fa._bwd_dkdv_kernel):
+    prune = programs._for_length(long)
+    assert prune(long + short, {"seq_bucket": programs._SHORT}) == long + short
+    assert prune(long + short, {"seq_bucket": 2 * programs._SHORT}) == long
+    for kernel in (programs._fwd_kernel, programs._bwd_dq_kernel, programs._bwd_dkdv_kernel):
         assert kernel.early_config_prune is not None
 
 
