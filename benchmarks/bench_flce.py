@@ -6,6 +6,7 @@ beyond its inputs (gradient outputs and workspaces included), and the relative e
 reference. Appends CSV rows to --out.
 
     python benchmarks/bench_flce.py --tokens 4096,8192,16384,32768
+    python benchmarks/bench_flce.py --tokens 8192 --systems ours_triton,torch_compile --kernels   # GPU time per kernel
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import lightning_slide.kernels.linear_cross_entropy as flce
+from bench_attention import kernel_ms
 from lightning_slide.kernels.linear_cross_entropy import fused_linear_cross_entropy
 from results_csv import append_row, environment
 
@@ -74,6 +76,8 @@ def main() -> None:
     parser.add_argument("--systems", default=None, help="comma-separated subset of the systems (default: all)")
     parser.add_argument("--out", default="benchmarks/results/flce.csv")
     parser.add_argument("--note", default="", help="written in each row's note column")
+    parser.add_argument("--kernels", action="store_true", help="only: GPU time per kernel of each system's fwd+bwd")
+    parser.add_argument("--kernels-out", default="benchmarks/results/flce_kernels.csv")
     args = parser.parse_args()
     common = {**environment(), "hidden": args.hidden, "vocab": args.vocab}
     todo = systems()
@@ -84,6 +88,15 @@ def main() -> None:
         h = torch.randn(n, args.hidden, device="cuda", generator=g).bfloat16()
         w = (torch.randn(args.vocab, args.hidden, device="cuda", generator=g) * 0.02).bfloat16()
         t = torch.randint(0, args.vocab, (n,), device="cuda", generator=g)
+        if args.kernels:  # where each system's time goes, kernel by kernel
+            leaves = (h.detach().requires_grad_(), w.detach().requires_grad_())
+            for name, (changes, fn) in todo.items():
+                with flce.tuning(**(changes or {})):
+                    times = kernel_ms(lambda fn=fn: fn(*leaves, t), leaves)
+                for kernel, ms in sorted(times.items(), key=lambda kv: -kv[1]):
+                    append_row(args.kernels_out, {**common, "system": name, "tokens": n, "kernel": kernel[:120],
+                                                  "ms": ms, "note": args.note})  # fmt: skip
+            continue
         hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
         ref_grads = torch.autograd.grad(eager(hf, wf, t), (hf, wf))
         del hf, wf

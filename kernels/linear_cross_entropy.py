@@ -101,11 +101,13 @@ def _token_rows(n: int, vocab: int) -> int:
     return max(1, min(n, max(budget, -(-fewest // tile) * tile)))
 
 
-def workspace_bytes(tokens: int, vocab: int, hidden: int, itemsize: int, one_pass: bool) -> int:
-    """Device bytes the loss takes at its largest beside its inputs and outputs' usual holders: a chunk of logits,
-    and with one pass the gradients of the head and the hidden states, which it holds from forward to backward."""
+def workspace_bytes(tokens: int, vocab: int, hidden: int, itemsize: int, one_pass: bool, retained: bool = False) -> int:
+    """Device bytes the loss takes at its largest beside its inputs: a chunk of logits, and with one pass the
+    gradients of the head and the hidden states, which it holds from forward to backward, and their scaled copies
+    where a backward keeps the graph (``retained``: the "norm-first" schedule's first pass)."""
     if one_pass:
-        return itemsize * (_token_rows(tokens, vocab) * vocab + (vocab + tokens) * hidden)
+        grads = (vocab + tokens) * hidden * (2 if retained else 1)
+        return itemsize * (_token_rows(tokens, vocab) * vocab + grads)
     return itemsize * tokens * _vocab_cols(tokens, vocab)
 
 

@@ -230,7 +230,7 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
     engine, host = engine_and_host(0)
     saved = tokens * layout.embedding[1].embedding_dim * 4 if tokens and layout.embedding else 0  # fp32 residual
     loss, queue, working = (
-        loss_bytes(layout, tokens, logits_built),
+        loss_bytes(layout, tokens, logits_built, retained=engine.schedule == "norm-first"),
         options.config.max_queued_grad_bytes,
         WORKING_INPUTS * saved,
     )

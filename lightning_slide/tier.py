@@ -63,13 +63,13 @@ def choose_tier(run: Run, tokens: int | None, budget: int | None, logits_built: 
     return Tier(True, f"{need / GIB:.2f} GiB of the {budget / GIB:.2f} GiB budget", tokens, need, most)
 
 
-def loss_bytes(layout: Layout, tokens: int | None, logits_built: bool) -> int:
+def loss_bytes(layout: Layout, tokens: int | None, logits_built: bool, retained: bool = False) -> int:
     """Device bytes of the installed logits-free loss's workspace (the model's own loss: its logits count as
-    activations)."""
+    activations); ``retained``: a backward pass keeps the graph (the "norm-first" schedule)."""
     if logits_built or not tokens or layout.head is None:
         return 0
     head = layout.head[1]
-    return fused_loss_bytes(tokens, head.out_features, head.in_features)
+    return fused_loss_bytes(tokens, head.out_features, head.in_features, retained)
 
 
 def _head(module: nn.Module, layout: Layout) -> nn.Linear | None:

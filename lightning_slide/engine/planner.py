@@ -239,10 +239,10 @@ def plain_activation_bytes(blocks: list[nn.Module], itemsize: int, logits: int =
     return per_token + _LOGIT_BYTES * logits
 
 
-def fused_loss_bytes(tokens: int, vocab: int, hidden: int) -> int:
+def fused_loss_bytes(tokens: int, vocab: int, hidden: int, retained: bool = False) -> int:
     """Device bytes of the logits-free loss (``kernels/linear_cross_entropy.py``) at its largest, in bf16: the walk
-    a training step takes (one pass, unless tuned off)."""
-    return workspace_bytes(tokens, vocab, hidden, 2, one_pass=tuning.value.one_pass is not False)
+    a training step takes (one pass, unless tuned off); ``retained``: a backward pass keeps the graph (norm-first)."""
+    return workspace_bytes(tokens, vocab, hidden, 2, one_pass=tuning.value.one_pass is not False, retained=retained)
 
 
 @dataclass(frozen=True)
