@@ -7,9 +7,8 @@ Two ways to walk the (tokens x vocabulary) matrix (the kernels for one chunk are
   gradient matmuls: 3 x 2NHV FLOPs, as plain PyTorch. The hidden gradient of a chunk is one matmul over the
   vocabulary; the weight gradient is summed over the chunks in the weight's own dtype, by cuBLAS in fp32 with one
   rounding per chunk, so there are at most ``Tuning.max_token_chunks`` of them (the more roundings, the farther
-  from fp64: ``Tuning``). The gradients wait, in the weights' dtype, as saved
-  tensors; the backward scales them in place by the incoming gradient (Liger-Kernel's FLCE also computes its
-  gradients in the forward).
+  from fp64: ``Tuning``). The gradients wait, in the weights' dtype, as saved tensors; the backward scales them in
+  place by the incoming gradient (Liger-Kernel's FLCE also computes its gradients in the forward).
 - **Two passes, vocabulary chunks** (no gradient wanted, ``reduction="none"``, no room on the GPU for the one pass,
   or ``one_pass=False``). Pass 1 (forward) computes each chunk's logits with one matmul and folds them into a running
   log-sum-exp per token. Pass 2 (backward) recomputes each chunk's logits, turns them into their gradient in place,
@@ -37,9 +36,6 @@ from torch import Tensor
 
 from .cross_entropy_chunk import _INTERPRET, CEOptions, RowStats, fold_lse, logits_to_grad, token_losses
 from .tunable import Tunable
-
-__all__ = ["_INTERPRET", "FusedLinearCrossEntropy", "Tuning", "fused_linear_cross_entropy",
-           "fused_linear_cross_entropy_ref", "tuning", "workspace_bytes"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -177,7 +173,7 @@ def flce_one_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     stats = RowStats.empty(n, hidden.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
     grad_h = torch.empty_like(h) if need_hidden_grad else None
-    grad_w = torch.empty_like(weight) if need_weight_grad else None
+    grad_w = (torch.empty_like if n else torch.zeros_like)(weight) if need_weight_grad else None  # no tokens: 0
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
     rows = _token_rows(n, vocab)
     buf = _chunk_buffer(h, rows * vocab)

@@ -83,6 +83,16 @@ def test_all_ignored_gives_zero_loss_and_zero_gradients(path, passes):
     assert w.grad.abs().max().item() == 0.0
 
 
+def test_no_tokens_gives_zero_loss_and_zero_gradients(path, passes):
+    _, weight, _, _ = _inputs(bias=False)
+    h, w = torch.zeros(0, H, requires_grad=True), weight.float().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert h.grad.shape == (0, H)
+    assert w.grad.abs().max().item() == 0.0
+
+
 def test_per_token_correctness(path, passes):
     hidden, weight, _, target = _inputs(bias=False)
     target[1] = (hidden[1] @ weight.t()).argmax()  # at least one token right
