@@ -30,7 +30,7 @@ def eager(h, w, t):
 
 
 def systems():
-    # name: (the loss's tuning, or None for a baseline; the function). Ours as the loss runs it (one pass, at most 8
+    # name: (the loss's tuning, empty for a baseline; the function). Ours as the loss runs it (one pass, at most 8
     # token chunks: within 1.3 GiB at 8k tokens), with 4 chunks and 2 (more memory, fewer roundings of dW), with two
     # passes, and its torch path.
     ours = fused_linear_cross_entropy
@@ -38,12 +38,12 @@ def systems():
            "ours_triton_4chunks": ({"triton": True, "max_token_chunks": 4}, ours),
            "ours_triton_2chunks": ({"triton": True, "max_token_chunks": 2}, ours),
            "ours_triton_two_pass": ({"triton": True, "one_pass": False}, ours), "ours_torch": ({"triton": False}, ours),
-           "torch_eager": (None, eager), "torch_compile": (None, torch.compile(eager))}  # fmt: skip
+           "torch_eager": ({}, eager), "torch_compile": ({}, torch.compile(eager))}  # fmt: skip
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
 
-        out["liger"] = (None, lambda h, w, t: liger(h, w, t))
-        out["liger_fp32_accum"] = (None, lambda h, w, t: liger(h, w, t, accum_dtype=torch.float32))
+        out["liger"] = ({}, lambda h, w, t: liger(h, w, t))
+        out["liger_fp32_accum"] = ({}, lambda h, w, t: liger(h, w, t, accum_dtype=torch.float32))
     except ImportError as err:
         print(f"Liger not available ({err}); skipping it")
     return out
@@ -91,7 +91,7 @@ def main() -> None:
         if args.kernels:  # where each system's time goes, kernel by kernel
             leaves = (h.detach().requires_grad_(), w.detach().requires_grad_())
             for name, (changes, fn) in todo.items():
-                with flce.tuning(**(changes or {})):
+                with flce.tuning(**changes):
                     times = kernel_ms(lambda fn=fn: fn(*leaves, t), leaves)
                 for kernel, ms in sorted(times.items(), key=lambda kv: -kv[1]):
                     append_row(args.kernels_out, {**common, "system": name, "tokens": n, "kernel": kernel[:120],
@@ -102,7 +102,7 @@ def main() -> None:
         del hf, wf
         for name, (changes, fn) in todo.items():
             try:
-                with flce.tuning(**(changes or {})):
+                with flce.tuning(**changes):
                     ms, peak, (err_dx, err_dw) = measure(fn, h, w, t, ref_grads)
                 note = args.note
             except Exception as err:  # keep the others; say what failed

@@ -77,12 +77,6 @@ def _use_triton(t: Tensor) -> bool:
     return tuning.value.triton if tuning.value.triton is not None else _INTERPRET or t.is_cuda
 
 
-def _chunks(n: int, vocab: int):
-    size = _vocab_cols(n, vocab)
-    for v0 in range(0, vocab, size):
-        yield v0, min(vocab, v0 + size)
-
-
 def _vocab_cols(n: int, vocab: int) -> int:
     # vocabulary columns per chunk of the two-pass walk
     size = min(vocab, max(tuning.value.min_chunk_cols, tuning.value.chunk_elements // max(n, 1)))
@@ -116,8 +110,13 @@ def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, v0: int, v1: i
     return torch.addmm(bias[v0:v1].to(h.dtype), h, weight[v0:v1].t(), out=x)
 
 
-def _chunk_buffer(h: Tensor, elements: int) -> Tensor:
-    return torch.empty(elements, dtype=h.dtype, device=h.device)
+def _vocab_chunks(h: Tensor, weight: Tensor, bias: Tensor | None):
+    # the two-pass walk: (v0, the logits of the vocabulary chunk from v0), every chunk in one buffer
+    n, vocab = h.shape[0], weight.shape[0]
+    size = _vocab_cols(n, vocab)
+    buf = h.new_empty(n * size)
+    for v0 in range(0, vocab, size):
+        yield v0, _chunk_logits(h, weight, bias, v0, min(vocab, v0 + size), buf)
 
 
 def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, opts: CEOptions):
@@ -129,9 +128,8 @@ def flce_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Te
     n, vocab = hidden.shape[0], weight.shape[0]
     h = hidden.to(weight.dtype)
     stats = RowStats.empty(n, hidden.device)
-    buf = _chunk_buffer(h, n * _vocab_cols(n, vocab))
-    for v0, v1 in _chunks(n, vocab):
-        fold_lse(_chunk_logits(h, weight, bias, v0, v1, buf), target, stats, v0, opts, _use_triton(h))
+    for v0, x in _vocab_chunks(h, weight, bias):
+        fold_lse(x, target, stats, v0, opts, _use_triton(h))
     return token_losses(stats, target, vocab, opts)
 
 
@@ -147,9 +145,8 @@ def flce_backward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     grad_h = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     grad_w = torch.empty_like(weight) if need_weight_grad else None
     grad_b = torch.empty(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
-    buf = _chunk_buffer(h, n * _vocab_cols(n, vocab))
-    for v0, v1 in _chunks(n, vocab):
-        x = _chunk_logits(h, weight, bias, v0, v1, buf)
+    for v0, x in _vocab_chunks(h, weight, bias):
+        v1 = v0 + x.shape[1]
         logits_to_grad(x, target, lse, scale, v0, vocab, opts, _use_triton(h))
         _add_matmul(grad_h, x, weight[v0:v1])  # dh += dz @ W_c, summed over chunks in fp32
         if grad_w is not None:
@@ -176,7 +173,7 @@ def flce_one_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     grad_w = (torch.empty_like if n else torch.zeros_like)(weight) if need_weight_grad else None  # no tokens: 0
     grad_b = torch.zeros(vocab, dtype=torch.float32, device=hidden.device) if bias is not None else None
     rows = _token_rows(n, vocab)
-    buf = _chunk_buffer(h, rows * vocab)
+    buf = h.new_empty(rows * vocab)
     for t0 in range(0, n, rows):
         t1 = min(n, t0 + rows)
         chunk = RowStats(*(t[t0:t1] for t in vars(stats).values()))
