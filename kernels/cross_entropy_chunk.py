@@ -1,7 +1,7 @@
 """One chunk of the fused linear cross-entropy's (tokens x vocabulary) logits: fold it into each token's running
 log-sum-exp, or turn it into its gradient in place. Triton kernels (one program per token row), and the same math in
-torch ops for the CPU without ``TRITON_INTERPRET=1``; ``linear_cross_entropy.py`` walks the chunks and holds the
-formulas.
+torch ops for the CPU without ``TRITON_INTERPRET=1``; and the scaling of the one pass's gradients.
+``linear_cross_entropy.py`` walks the chunks and holds the formulas.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_V": b}, num_warps=w) for b in (1024, 2048, 4096) for w in (4, 8, 16)]
 
 
-# NOTE: both kernels update their arguments in place; restore_value keeps autotuning's trial runs from compounding.
+# NOTE: the kernels update their arguments in place; restore_value keeps autotuning's trial runs from compounding.
 @triton.autotune(
     configs=_configs(),
     key=["n_cols"],
@@ -69,13 +69,74 @@ def _lse_kernel(
     HAS_SOFTCAP: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # logits: (N, n_cols), one vocabulary chunk starting at col_offset; one program per token row.
-    # Folds the chunk into the row's running max m and sum of exp(z - m) (online softmax), picks z[target].
+    # Folds the chunk into the row's running statistics.
+    row = tl.program_id(0).to(tl.int64)
+    m, s, z_target = tl.load(max_ptr + row), tl.load(sumexp_ptr + row), tl.load(target_logit_ptr + row)
+    m, s, z_target, sum_z, best, best_idx = _fold_row(
+        logits_ptr + row * stride_row, tl.load(target_ptr + row) - col_offset, m, s, z_target, n_cols, softcap,
+        HAS_SOFTCAP, SUM_Z, ARGMAX, BLOCK_V,
+    )  # fmt: skip
+    tl.store(max_ptr + row, m)
+    tl.store(sumexp_ptr + row, s)
+    tl.store(target_logit_ptr + row, z_target)
+    if SUM_Z:
+        tl.store(sum_z_ptr + row, tl.load(sum_z_ptr + row) + sum_z)
+    if ARGMAX:
+        old = tl.load(best_ptr + row)
+        better = best > old  # strictly: an earlier chunk keeps ties, as torch.argmax does
+        tl.store(best_ptr + row, tl.where(better, best, old))
+        tl.store(best_idx_ptr + row, tl.where(better, best_idx + col_offset, tl.load(best_idx_ptr + row)))
+
+
+@triton.autotune(configs=_configs(), key=["n_cols"], restore_value=["logits_ptr"])
+@triton.jit
+def _grad_kernel(
+    logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr,
+    n_cols, col_offset, vocab, softcap, smoothing, z_loss,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # logits: (N, n_cols), overwritten in place with dloss/dlogits times the row's scale (0 for ignored rows).
+    row = tl.program_id(0).to(tl.int64)
+    _grad_row(
+        logits_ptr + row * stride_row, tl.load(target_ptr + row) - col_offset, tl.load(lse_ptr + row),
+        tl.load(scale_ptr + row), n_cols, vocab, softcap, smoothing, z_loss, HAS_SOFTCAP, BLOCK_V,
+    )  # fmt: skip
+
+
+@triton.autotune(configs=_configs(), key=["n_cols"], restore_value=["logits_ptr"])
+@triton.jit
+def _lse_grad_kernel(
+    logits_ptr, stride_row, target_ptr, max_ptr, sumexp_ptr, target_logit_ptr, sum_z_ptr, best_idx_ptr, lse_ptr,
+    scale_ptr, n_cols, softcap, smoothing, z_loss,
+    HAS_SOFTCAP: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    # logits: (N, n_cols), the whole vocabulary; one program per token row. The row's statistics, then its
+    # gradient in place: the second read of the row mostly hits L2, where two kernels read it twice from memory.
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_row
-    target = tl.load(target_ptr + row) - col_offset
-    m = tl.load(max_ptr + row)
-    s = tl.load(sumexp_ptr + row)
-    z_target = tl.load(target_logit_ptr + row)
+    target = tl.load(target_ptr + row)
+    m, s, z_target, sum_z, best, best_idx = _fold_row(
+        base, target, tl.full((), float("-inf"), tl.float32), tl.zeros((), tl.float32), tl.zeros((), tl.float32),
+        n_cols, softcap, HAS_SOFTCAP, SUM_Z, ARGMAX, BLOCK_V,
+    )  # fmt: skip
+    lse = m + tl.log(s)
+    tl.store(max_ptr + row, m)
+    tl.store(sumexp_ptr + row, s)
+    tl.store(target_logit_ptr + row, z_target)
+    tl.store(lse_ptr + row, lse)
+    if SUM_Z:
+        tl.store(sum_z_ptr + row, sum_z)
+    if ARGMAX:
+        tl.store(best_idx_ptr + row, best_idx)
+    _grad_row(base, target, lse, tl.load(scale_ptr + row), n_cols, n_cols, softcap, smoothing, z_loss, HAS_SOFTCAP,
+              BLOCK_V)  # fmt: skip
+
+
+@triton.jit
+def _fold_row(base, target, m, s, z_target, n_cols, softcap,
+              HAS_SOFTCAP: tl.constexpr, SUM_Z: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    # folds one row of logits (n_cols from base) into its running max m and sum of exp(z - m) (online softmax),
+    # picks z[target] (target relative to base), and sums z and finds the row's argmax where asked
     sum_z = 0.0
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.zeros((), tl.int64)
@@ -98,31 +159,13 @@ def _lse_kernel(
             better = block_best > best
             best_idx = tl.where(better, block_idx, best_idx)
             best = tl.maximum(best, block_best)
-    tl.store(max_ptr + row, m)
-    tl.store(sumexp_ptr + row, s)
-    tl.store(target_logit_ptr + row, z_target)
-    if SUM_Z:
-        tl.store(sum_z_ptr + row, tl.load(sum_z_ptr + row) + sum_z)
-    if ARGMAX:
-        old = tl.load(best_ptr + row)
-        better = best > old  # strictly: an earlier chunk keeps ties, as torch.argmax does
-        tl.store(best_ptr + row, tl.where(better, best, old))
-        tl.store(best_idx_ptr + row, tl.where(better, best_idx + col_offset, tl.load(best_idx_ptr + row)))
+    return m, s, z_target, sum_z, best, best_idx
 
 
-@triton.autotune(configs=_configs(), key=["n_cols"], restore_value=["logits_ptr"])
 @triton.jit
-def _grad_kernel(
-    logits_ptr, stride_row, target_ptr, lse_ptr, scale_ptr,
-    n_cols, col_offset, vocab, softcap, smoothing, z_loss,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    # logits: (N, n_cols), overwritten in place with dloss/dlogits times the row's scale (0 for ignored rows).
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride_row
-    target = tl.load(target_ptr + row) - col_offset
-    lse = tl.load(lse_ptr + row)
-    scale = tl.load(scale_ptr + row)
+def _grad_row(base, target, lse, scale, n_cols, vocab, softcap, smoothing, z_loss,
+              HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    # overwrites one row of logits (n_cols from base) with dloss/dz times scale
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         inside = cols < n_cols
@@ -133,7 +176,16 @@ def _grad_kernel(
         g = tl.where(cols == target, g - (1.0 - smoothing), g)
         if HAS_SOFTCAP:
             g = g * (1.0 - (z / softcap) * (z / softcap))
-        tl.store(base + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=inside)
+        tl.store(base + cols, (g * scale).to(base.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _scale_kernel(src_ptr, dst_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    # dst = src * factor, in fp32 and rounded once to dst's dtype (as torch's mul of a bf16 tensor by an fp32 scalar)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = tl.load(src_ptr + offsets, mask=inside).to(tl.float32)
+    tl.store(dst_ptr + offsets, (x * tl.load(factor_ptr)).to(dst_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -204,6 +256,33 @@ def logits_to_grad(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, v0: in
         x, x.stride(0), target, lse, scale, x.shape[1], v0, vocab, float(opts.softcap or 1.0),
         float(opts.label_smoothing), float(opts.z_loss), HAS_SOFTCAP=bool(opts.softcap),
     )  # fmt: skip
+
+
+def fold_lse_and_grad(x: Tensor, target: Tensor, stats: RowStats, lse: Tensor, scale: Tensor, opts: CEOptions,
+                      triton_path: bool) -> None:  # fmt: skip
+    # x: the logits of a token chunk over the whole vocabulary, and fresh statistics for its tokens: fills them and
+    # lse, and overwrites x with dloss/dx times each token's scale
+    if not triton_path:
+        _lse_chunk_torch(x, target, stats, 0, opts)
+        torch.add(stats.max, torch.log(stats.sumexp), out=lse)
+        _grad_chunk_torch(x, target, lse, scale, 0, x.shape[1], opts)
+        return
+    _lse_grad_kernel[(x.shape[0],)](
+        x, x.stride(0), target, stats.max, stats.sumexp, stats.target_logit, stats.sum_z, stats.best_idx, lse, scale,
+        x.shape[1], float(opts.softcap or 1.0), float(opts.label_smoothing), float(opts.z_loss),
+        HAS_SOFTCAP=bool(opts.softcap), SUM_Z=bool(opts.label_smoothing), ARGMAX=opts.return_correct,
+    )  # fmt: skip
+
+
+def scale_into(src: Tensor, factor: Tensor, out: Tensor) -> Tensor:
+    """``out = src * factor`` (``out`` may be ``src``); factor: a 0-dim fp32 tensor on src's device. On CUDA one
+    pass over memory: torch's ``mul`` with a 0-dim device tensor takes its strided, non-vectorized kernel (2.5 ms
+    for a 128k x 4096 bf16 head's gradient on an H100)."""
+    if not (src.is_cuda and src.is_contiguous() and out.is_contiguous()):
+        return torch.mul(src, factor, out=out)
+    block = 4096
+    _scale_kernel[(triton.cdiv(src.numel(), block),)](src, out, factor, src.numel(), BLOCK=block, num_warps=8)
+    return out
 
 
 def token_losses(stats: RowStats, target: Tensor, vocab: int, opts: CEOptions):

@@ -34,7 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .cross_entropy_chunk import _INTERPRET, CEOptions, RowStats, fold_lse, logits_to_grad, token_losses
+from .cross_entropy_chunk import (
+    _INTERPRET,
+    CEOptions,
+    RowStats,
+    fold_lse,
+    fold_lse_and_grad,
+    logits_to_grad,
+    scale_into,
+    token_losses,
+)
 from .tunable import Tunable
 
 
@@ -178,9 +187,7 @@ def flce_one_pass(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         t1 = min(n, t0 + rows)
         chunk = RowStats(*(t[t0:t1] for t in vars(stats).values()))
         x = _chunk_logits(h[t0:t1], weight, bias, 0, vocab, buf)
-        fold_lse(x, target[t0:t1], chunk, 0, opts, triton_path)
-        torch.add(chunk.max, torch.log(chunk.sumexp), out=lse[t0:t1])
-        logits_to_grad(x, target[t0:t1], lse[t0:t1], scale[t0:t1], 0, vocab, opts, triton_path)
+        fold_lse_and_grad(x, target[t0:t1], chunk, lse[t0:t1], scale[t0:t1], opts, triton_path)
         if grad_h is not None:
             torch.mm(x, weight, out=grad_h[t0:t1])  # the whole vocabulary in one matmul
         if grad_w is not None:  # summed over the chunks: cuBLAS adds in fp32 and rounds once per chunk
@@ -241,12 +248,12 @@ def _scale_one_pass(saved: tuple, dtypes: tuple, factor: Tensor) -> list[Tensor 
     are for the next.
     """
     in_place = not _keeps_graph()
-    return [
-        None if g is None
-        else g.mul_(factor) if in_place and g.dtype == dtype
-        else torch.mul(g, factor, out=torch.empty_like(g, dtype=dtype))
-        for g, dtype in zip(saved, dtypes)
-    ]  # fmt: skip
+    scaled = []
+    for g, dtype in zip(saved, dtypes):
+        if g is not None:
+            g = scale_into(g, factor, g if in_place and g.dtype == dtype else torch.empty_like(g, dtype=dtype))
+        scaled.append(g)
+    return scaled
 
 
 def _keeps_graph() -> bool:
