@@ -181,7 +181,7 @@ def _grad_row(base, target, lse, scale, n_cols, vocab, softcap, smoothing, z_los
 
 @triton.jit
 def _scale_kernel(src_ptr, dst_ptr, factor_ptr, n, BLOCK: tl.constexpr):
-    # dst = src * factor, in fp32 and rounded once to dst's dtype (as torch's mul of a bf16 tensor by an fp32 scalar)
+    # dst = src * factor: the product in fp32, rounded once to dst's dtype
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     x = tl.load(src_ptr + offsets, mask=inside).to(tl.float32)
@@ -276,8 +276,8 @@ def fold_lse_and_grad(x: Tensor, target: Tensor, stats: RowStats, lse: Tensor, s
 
 def scale_into(src: Tensor, factor: Tensor, out: Tensor) -> Tensor:
     """``out = src * factor`` (``out`` may be ``src``); factor: a 0-dim fp32 tensor on src's device. On CUDA one
-    pass over memory: torch's ``mul`` with a 0-dim device tensor takes its strided, non-vectorized kernel (2.5 ms
-    for a 128k x 4096 bf16 head's gradient on an H100)."""
+    pass over memory: torch's ``mul`` by a 0-dim device tensor takes a strided, non-vectorized kernel (2.5 ms for a
+    128k x 4096 bf16 head's gradient on an H100, against 0.74) and rounds the factor to src's dtype first."""
     if not (src.is_cuda and src.is_contiguous() and out.is_contiguous()):
         return torch.mul(src, factor, out=out)
     block = 4096
