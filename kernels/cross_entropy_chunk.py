@@ -141,11 +141,7 @@ def _fold_row(base, target, m, s, z_target, n_cols, softcap,
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.zeros((), tl.int64)
     for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        inside = cols < n_cols
-        z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
+        cols, inside, z = _logit_block(base, start, n_cols, softcap, HAS_SOFTCAP, BLOCK_V)
         z = tl.where(inside, z, float("-inf"))  # after the cap, which would map -inf to -softcap
         m_new = tl.maximum(m, tl.max(z, 0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
@@ -167,16 +163,23 @@ def _grad_row(base, target, lse, scale, n_cols, vocab, softcap, smoothing, z_los
               HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
     # overwrites one row of logits (n_cols from base) with dloss/dz times scale
     for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        inside = cols < n_cols
-        z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcap * _tanh(z / softcap)
+        cols, inside, z = _logit_block(base, start, n_cols, softcap, HAS_SOFTCAP, BLOCK_V)
         g = tl.exp(z - lse) * (1.0 + 2.0 * z_loss * lse) - smoothing / vocab
         g = tl.where(cols == target, g - (1.0 - smoothing), g)
         if HAS_SOFTCAP:
             g = g * (1.0 - (z / softcap) * (z / softcap))
         tl.store(base + cols, (g * scale).to(base.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _logit_block(base, start, n_cols, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    # the row's columns [start, start + BLOCK_V), which of them are inside it, and their logits in fp32 (capped)
+    cols = start + tl.arange(0, BLOCK_V)
+    inside = cols < n_cols
+    z = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return cols, inside, z
 
 
 @triton.jit
