@@ -134,7 +134,7 @@ class _Die(L.Callback):
             os._exit(9)
 
 
-STALL_S = 50  # the stall test's timeout is 30 s: the others must stop before this one wakes
+STALL_S = 35  # the stall test's timeout is 15 s: the others must stop before this one wakes
 
 
 class _Stall(L.Callback):

@@ -4,13 +4,12 @@ one that was never interrupted."""
 
 import os
 import signal
-import subprocess
-import sys
 
+import forked_runs
 import pytest
 import torch
 
-from helpers import USER_ENV, CausalLM, fit, max_rel_error, tiny_config
+from helpers import CausalLM, fit, max_rel_error, tiny_config
 from lightning_slide import SlideFormerStrategy
 
 KILLED = """
@@ -63,8 +62,9 @@ def test_a_run_killed_mid_save_or_mid_step_resumes_exactly(tmp_path, tier, when)
         return SlideFormerStrategy(num_slots=2, optimizer_offload=tier, nvme_path=str(tmp_path / "nvme"))
 
     straight, _ = fit(module, strategy(), steps=12)
-    script = KILLED.format(tests=os.path.dirname(__file__), when=when, tier=tier, root=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=USER_ENV)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED.format(tests=os.path.dirname(__file__), when=when, tier=tier, root=str(tmp_path)))
+    done = forked_runs.run(str(script), processes=1)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     last = tmp_path / "ckpt" / "last.ckpt"
     # every 4 steps, one epoch of the test data (a plain DataLoader resumes exactly only at an epoch's end)

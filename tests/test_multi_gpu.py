@@ -5,10 +5,11 @@ with gloo, are in ``tests/test_data_parallel.py``).
 """
 
 import time
+from functools import partial
 
 import pytest
+import test_data_parallel
 import torch
-from test_data_parallel import _run, _trained
 
 from helpers import global_error
 
@@ -16,6 +17,8 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
 ]
+# started as a user starts the script (Lightning's launcher starts the other process), not forked (forked_runs.py)
+_run, _trained = (partial(f, forked=False) for f in (test_data_parallel._run, test_data_parallel._trained))
 ON_GPUS = ("--accelerator", "gpu", "--devices", "2", "--placement", "stream")  # the tiny model would fit whole
 
 

@@ -572,14 +572,15 @@ fit(CausalLM(tiny_config("llama")), strategy, steps=4, callbacks=[Kill()])
 def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_counted(tmp_path, monkeypatch, caplog):
     import shutil
     import signal
-    import subprocess
-    import sys
+
+    import forked_runs
 
     import lightning_slide.strategy as strategy_module
     from lightning_slide.engine import state_dirs
 
-    script = KILLED_RUN.format(tests=os.path.dirname(__file__), nvme=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    script = tmp_path.parent / "killed.py"  # beside the state folder: it must hold only what the run leaves
+    script.write_text(KILLED_RUN.format(tests=os.path.dirname(__file__), nvme=str(tmp_path)))
+    done = forked_runs.run(str(script), processes=1)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     left = [p.name for p in tmp_path.iterdir()]
     assert len(left) == 1  # the state the killed run held

@@ -1,13 +1,12 @@
 """The gradients' average over processes (``engine/world.py``), on gloo: its collectives run while the training thread
 goes on, and each process gets the mean of its rows. The training runs: ``test_data_parallel.py``."""
 
-import socket
 import time
 
+import forked_runs
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_slide.engine.world import DataParallel
 
@@ -15,11 +14,9 @@ LATE_S = 1.5  # how long the second process waits before it averages
 
 
 def _in_processes(target, size: int) -> list:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(target, args=(size, port, results), nprocs=size)
+    port = forked_runs.free_port()
+    results = forked_runs.FORKS.SimpleQueue()
+    forked_runs.start_processes(target, (size, port, results), size)
     return sorted(results.get() for _ in range(size))
 
 
