@@ -66,7 +66,11 @@ def test_dkdv_walks_match_fp64_reference(tune, packed, walk):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-@MASKS
+@pytest.mark.parametrize(  # MASKS; without a mask (test_matches_fp64_reference's in the default suite): slow
+    ("causal", "window"),
+    [(True, None), pytest.param(False, None, marks=pytest.mark.slow), (True, 7)],
+    ids=["causal", "full", "window"],
+)
 @pytest.mark.parametrize(
     ("hq", "pack_gqa"), [(8, 8), (8, 1), (6, 8)], ids=["group4-together", "group4-by-head", "group3"]
 )

@@ -43,13 +43,14 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+ALONE = pytest.mark.slow  # each option alone: the default suite checks them together in the last case
 OPTIONS = [
     {},
-    {"reduction": "sum"},
+    pytest.param({"reduction": "sum"}, marks=ALONE),
     {"reduction": "none"},
-    {"label_smoothing": 0.1},
-    {"z_loss": 1e-3},
-    {"softcap": 3.0},
+    pytest.param({"label_smoothing": 0.1}, marks=ALONE),
+    pytest.param({"z_loss": 1e-3}, marks=ALONE),
+    pytest.param({"softcap": 3.0}, marks=ALONE),
     {"normalizer": 123.0},
     {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 10.0, "reduction": "sum"},
 ]
