@@ -1,8 +1,9 @@
 """One data-parallel run on the CPU (gloo) or on GPUs (NCCL, ``--accelerator gpu``), as a user's script:
 ``python data_parallel_run.py STRATEGY OUT [options]``.
 
-Lightning's launcher starts the other processes by running this file again; the first process saves the trained
-weights to OUT. ``tests/test_data_parallel.py`` compares them with Lightning's DDP.
+Lightning's launcher starts the other processes by running this file again, unless each process was started with the
+rank variables set (``tests/forked_runs.py``, torchrun); the first process saves the trained weights to OUT.
+``tests/test_data_parallel.py`` compares them with Lightning's DDP.
 """
 
 import argparse
