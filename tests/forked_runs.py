@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
+from unittest import mock
 
 import torch.multiprocessing as torch_multiprocessing
 
@@ -65,14 +66,8 @@ def start_processes(target, args: tuple, processes: int) -> None:
 
 def start_server() -> None:
     # the server's imports see the environment the runs have (no TRITON_INTERPRET, as a user's shell)
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(USER_ENV)
-    try:
+    with mock.patch.dict(os.environ, USER_ENV, clear=True):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _main(script: str, args: tuple[str, ...], env: dict[str, str], log: str) -> None:

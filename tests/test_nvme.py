@@ -569,7 +569,9 @@ fit(CausalLM(tiny_config("llama")), strategy, steps=4, callbacks=[Kill()])
 
 
 @pytest.mark.slow
-def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_counted(tmp_path, monkeypatch, caplog):
+def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_counted(
+    tmp_path, tmp_path_factory, monkeypatch, caplog
+):
     import shutil
     import signal
 
@@ -578,7 +580,7 @@ def test_state_left_by_a_killed_run_is_removed_by_the_next_and_live_state_is_cou
     import lightning_slide.strategy as strategy_module
     from lightning_slide.engine import state_dirs
 
-    script = tmp_path.parent / "killed.py"  # beside the state folder: it must hold only what the run leaves
+    script = tmp_path_factory.mktemp("script") / "killed.py"  # not in the state folder: it holds what the run leaves
     script.write_text(KILLED_RUN.format(tests=os.path.dirname(__file__), nvme=str(tmp_path)))
     done = forked_runs.run(str(script), processes=1)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
