@@ -1,5 +1,5 @@
-"""How many of the first streamed blocks have their updates moved where the CPU worker would idle, for the fastest
-predicted step (``rates.py``): to the next forward (deferred, exact) or to the next step (delayed, ``delay.py``)."""
+"""How many of the first streamed blocks have their updates moved where the CPU worker would idle, by the predicted
+step (``rates.py``): to the next forward (deferred, exact) or to the next step (delayed, ``delay.py``)."""
 
 from __future__ import annotations
 
@@ -24,25 +24,21 @@ def deferral(engine: SlideEngine, work: Work, rates: Rates) -> int:
     (each costs the host its gradients)."""
     if engine.schedule != "backward" or engine.optimizer is None:
         return 0
-    return _fastest(engine, work, rates, "deferred")
-
-
-def delay(engine: SlideEngine, work: Work, rates: Rates) -> int:
-    """The blocks updated a step late: the fewest within 1 % of the fastest predicted step (each costs the host a
-    copy of its weights, and its training a step's staleness)."""
-    return _fastest(engine, work, rates, "delayed")
-
-
-def _fastest(engine: SlideEngine, work: Work, rates: Rates, field: str) -> int:
     trainable = engine.streamed_trainable()
     times, params, matmul = [predict_step_s(work, engine.schedule, rates)], 0, 0
     for block in engine.blocks:
         block_params, block_matmul = trained([block], trainable)
         params, matmul = params + block_params, matmul + block_matmul
-        trial = replace(work, **{field: params, f"{field}_matmul": matmul})
-        times.append(predict_step_s(trial, engine.schedule, rates))
-    best = min(times)
-    if field == "deferred":
-        fastest = times.index(best)
-        return fastest if best < 0.99 * times[0] else 0
-    return next(k for k, t in enumerate(times) if t <= 1.01 * best)
+        times.append(predict_step_s(replace(work, deferred=params, deferred_matmul=matmul), engine.schedule, rates))
+    fastest = times.index(min(times))
+    return fastest if times[fastest] < 0.99 * times[0] else 0
+
+
+def delay(engine: SlideEngine, work: Work, rates: Rates) -> int:
+    """The blocks updated a step late: every streamed block, where that predicts a step at least 1 % faster than
+    none, else none (each delayed block made the measured step faster: benchmarks/NOTES.md, session 45)."""
+    if engine.optimizer is None or not engine.blocks:
+        return 0
+    params, matmul = trained(engine.blocks, engine.streamed_trainable())
+    every = predict_step_s(replace(work, delayed=params, delayed_matmul=matmul), engine.schedule, rates)
+    return len(engine.blocks) if every < 0.99 * predict_step_s(work, engine.schedule, rates) else 0

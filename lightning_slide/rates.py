@@ -13,9 +13,10 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
   updates are deferred, they run after the backward instead and overlap those blocks' next forward, the rest of the
   forward follows; "forward" updates after the backward, overlapping the next forward; "norm-first" runs a second
   backward that streams the updates;
-- delayed blocks (``delay.py``): their updates, queued last, overlap the next step (no forward waits for them) and
-  write their next weights too (in the same pass with bf16 moments, 2 bytes more of ~20; else a cast at
-  ``cpu_copy_params_per_s``); the CPU's whole work bounds the step;
+- delayed blocks (``delay.py``): their updates, queued last, run on from the step's end through the next step's start
+  and forward (no forward waits for them; a pass's forward takes at least its uploads) and write their next weights
+  too (in the same pass with bf16 moments, 2 bytes more of ~20; else a cast at ``cpu_copy_params_per_s``); the CPU's
+  whole work bounds the step;
 - a streamed step also spends ``stream_start_s`` at its start, waiting for the last updates and the window's first
   uploads (fitted to the 2.8 B and 8 B runs);
 - the resident tier is plain training on the GPU: no recompute, no copies, the optimizer on the GPU (memory-bound,
@@ -97,11 +98,15 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
         copy_rate = 10 * per_s if work.bf16_state else rates.cpu_copy_params_per_s
         late = update * work.delayed / work.trained + work.delayed / work.share / (copy_rate / work.processes)
         early = update * (1 - work.delayed / work.trained)
-        # "backward": theirs overlap the next forward, the others' follow their gradients; "forward": the others'
-        # before their next forward, theirs during its backward
-        chain = max(forward, late) + early if schedule == "backward" else max(forward, early) + backward
-        chain = max(chain, early + late)
-    elif schedule == "backward":
+        start, one_pass = rates.stream_start_s, max(forward, up / 2)
+        # "backward": theirs from the last step's end, beside the stream's start and the forward, the others' after
+        # their gradients; "forward": the others' before their next forward, theirs during its backward
+        if schedule == "backward":
+            chain = max(start + one_pass, late) + early
+        else:
+            chain = start + max(one_pass, early) + backward
+        return max(start + gpu, chain, early + late)
+    if schedule == "backward":
         late = update * work.deferred / work.trained if work.trained else 0.0
         matmul = work.block_matmul + work.other_matmul
         rest = forward * (1 - work.deferred_matmul / matmul) if matmul else forward

@@ -192,6 +192,25 @@ def test_a_step_the_cpu_sets_the_pace_of_updates_some_blocks_during_the_next_for
     assert json.loads(out)["deferred_blocks"] == 0
 
 
+def test_a_step_the_cpu_sets_the_pace_of_delays_every_streamed_block_and_none_where_the_gpu_does(capsys, config_dir):
+    args = [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision", "bf16-mixed",
+            "--data.seq_len", "4096", "--gpu-memory", "24", "--host-memory", "64", "--json",
+            "--trainer.strategy.init_args.delayed_update", "true"]  # fmt: skip
+    status, out = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e9"])
+    delayed = json.loads(out)
+    streamed = sum(".layers." in u["name"] and u["weights"] == "stream" for u in delayed["units"])
+    assert (status, delayed["schedule"]) == (0, "backward")
+    assert delayed["delayed_blocks"] == streamed > 0
+    _, out = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e9", "--trainer.strategy.init_args.engine",
+                           '{"delayed_blocks": 0}'])  # fmt: skip
+    none = json.loads(out)
+    assert none["delayed_blocks"] == 0
+    assert delayed["predicted_step_s"] < 0.99 * none["predicted_step_s"]
+    assert delayed["host_bytes"] > none["host_bytes"]  # two copies of each delayed block's weights
+    _, out = _run(capsys, [*args, "--rate-cpu-params-per-s", "1e12"])  # the GPU sets the pace: nothing to gain
+    assert json.loads(out)["delayed_blocks"] == 0
+
+
 def _printed_plans() -> list[str]:
     # every `slide plan` line of the README's and recipes/configs' code blocks
     lines = []

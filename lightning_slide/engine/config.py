@@ -43,8 +43,8 @@ class EngineConfig:
             4 bytes per parameter). ``"auto"``: the plan picks N for the fastest predicted step (``rates.py``), 0
             where the GPU sets the pace, with several processes, or on the CPU.
         delayed_blocks: with ``delayed_update=True``, the first N streamed blocks are updated a step late
-            (``delay.py``). ``"auto"``: the plan picks N for the fastest predicted step (``rates.py``; every block on
-            the CPU), fewer where the host cannot hold their copies.
+            (``delay.py``). ``"auto"``: every streamed block where the plan predicts a faster step (``rates.py``), none
+            where the GPU sets the pace (every block on the CPU), fewer where the host cannot hold their copies.
         compact_retained_grads: schedule "forward" without accumulation: keep the retained gradients of the matrices
             computed with in bf16 in bf16 (2 bytes per parameter instead of 4; a slower CPU update). ``"auto"``: only
             where fp32 ones would not fit the RAM available.
