@@ -10,6 +10,7 @@ Appends CSV rows to --out.
 
     python benchmarks/bench_attention.py
     python benchmarks/bench_attention.py --kernels   # ours, packed and dense at the packed length: GPU time per kernel
+    python benchmarks/bench_attention.py --interleave slide_dispatch,sdpa_cudnn   # dense fwd+bwd, taking turns
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/attention.csv")
     parser.add_argument("--kernels", action="store_true", help="only: GPU time per kernel, packed vs dense (ours)")
     parser.add_argument("--kernels-out", default="benchmarks/results/attention_kernels.csv")
+    parser.add_argument("--interleave", default=None, help="only: these dense systems' fwd+bwd, taking turns")
+    parser.add_argument("--repeats", type=int, default=4, help="with --interleave: turns of each system")
     args = parser.parse_args()
     warm_up()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -221,6 +224,18 @@ def main() -> None:
             row = {**common, "case": f"packed_16docs_T{total}", "system": name}
             for kernel, ms in sorted(kernel_ms(fn, (q, k, v)).items(), key=lambda kv: -kv[1]):
                 append_row(args.kernels_out, {**row, "kernel": kernel[:120], "ms": ms, "note": autotuned(attention)})
+        return
+    if args.interleave:  # a difference between two systems that drift would show as one in the order they ran
+        names = args.interleave.split(",")
+        for n in (int(x) for x in args.lengths.split(",")):
+            q, k, v = make(B, n, HQ, D), make(B, n, HKV, D), make(B, n, HKV, D)
+            systems = dense_systems(q, k, v)
+            for turn in range(args.repeats):
+                for name in names:
+                    ms = timed(systems[name], True, (q, k, v))
+                    append_row(args.out, {**common, "case": f"dense_causal_N{n}", "system": name, "pass": "fwd+bwd",
+                                          "ms": ms, "tflops": 4 * B * HQ * n * n * D / 2 * 3.5 / (ms * 1e-3) / 1e12,
+                                          "note": f"interleaved, turn {turn}"})  # fmt: skip
         return
     for n in (int(x) for x in args.lengths.split(",")):
         q, k, v = make(B, n, HQ, D), make(B, n, HKV, D), make(B, n, HKV, D)

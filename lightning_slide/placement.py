@@ -62,7 +62,12 @@ def choose_engine(
     if config.deferred_updates != "auto":
         deferred = config.deferred_updates
 
-    def make(nvme_path: str | None, compact: bool = config.compact_retained_grads is True) -> SlideEngine:
+    # the bf16 state's kernel reads a bf16 gradient as it is: no widening to pay for the bytes saved
+    compact_first = config.compact_retained_grads is True or (
+        config.compact_retained_grads == "auto" and options.optimizer_state == "bf16"
+    )
+
+    def make(nvme_path: str | None, compact: bool = compact_first) -> SlideEngine:
         return SlideEngine(
             module, layout.blocks, run.device, compute_dtype=run.dtype, embedding=layout.embedding, head=layout.head,
             whole=layout.whole, optimizer=optimizer, schedule=schedule,
@@ -78,7 +83,7 @@ def choose_engine(
     nvme = options.nvme_path if options.optimizer_offload == "nvme" else None
     engine = make(nvme)
     plan = engine.host_plan(stored, activations)
-    if plan.added > available and config.compact_retained_grads == "auto":
+    if plan.added > available and config.compact_retained_grads == "auto" and not compact_first:
         candidate = make(engine.nvme_path, compact=True)
         if candidate.compact_grads():
             engine, plan = candidate, candidate.host_plan(stored, activations)

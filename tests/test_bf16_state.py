@@ -19,11 +19,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("gathered", [False, True])
-def test_the_kernel_rounds_as_its_torch_reference_bit_for_bit(decoupled, amsgrad, gathered):
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_rounds_as_its_torch_reference_bit_for_bit(decoupled, amsgrad, gathered, grad_dtype):
     # odd sizes, several threads, a gradient scale and maximize: every element the same bits as the reference
     generator = torch.Generator().manual_seed(7)
     rows, width = 4099, 37
     p, g = (torch.randn(rows, width, generator=generator) for _ in range(2))
+    g = g.to(grad_dtype)
     m = torch.randn(rows, width, generator=generator).bfloat16()
     v, vmax = (torch.rand(rows, width, generator=generator).bfloat16() for _ in range(2))
     vmax = vmax if amsgrad else None
@@ -38,7 +40,23 @@ def test_the_kernel_rounds_as_its_torch_reference_bit_for_bit(decoupled, amsgrad
         if want is not None:
             assert torch.equal(_bits(got), _bits(want))
     assert torch.equal(_bits(copy), _bits(p.bfloat16()))
-    assert not torch.equal(_bits(p), _bits(g))  # the parameters moved
+    assert not torch.equal(_bits(p), _bits(g.float()))  # the parameters moved
+
+
+def test_a_bf16_gradient_read_as_it_is_updates_as_its_fp32_widening():
+    # the engine sends a bf16 matmul's weight gradient in bf16 where the kernel updates it: exact, as widened first
+    generator = torch.Generator().manual_seed(3)
+    p, g = torch.randn(300_000, generator=generator), torch.randn(300_000, generator=generator).bfloat16()
+    m, v = torch.randn(300_000, generator=generator).bfloat16(), torch.rand(300_000, generator=generator).bfloat16()
+    args = AdamArgs.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False,
+                       step=3, scale=0.5)  # fmt: skip
+    wide = [t.clone() for t in (p, m, v)]
+    adam_bf16.step(p, g, m, v, None, args, 11, threads=2)
+    adam_bf16.step(wide[0], g.float(), wide[1], wide[2], None, args, 11, threads=2)
+    for got, want in zip((p, m, v), wide):
+        assert torch.equal(_bits(got), _bits(want))
+    with pytest.raises(ValueError, match="an fp32 or bf16 gradient; got torch.float16"):
+        adam_bf16.step(p, g.half(), m, v, None, args, 11)
 
 
 def test_an_update_of_gathered_rows_is_the_whole_update_of_those_rows():
@@ -89,6 +107,34 @@ def test_training_with_bf16_state_stays_near_fp32_state_and_keeps_bf16_moments()
     assert 0 < err < 0.02 * moved, f"{where}: {err:.2e} (the update: {moved:.2e})"
     states = trained.trainer.optimizers[0].state.values()
     assert {s["exp_avg"].dtype for s in states} == {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(("delay", "clip"), [(False, None), (True, None), (True, 1.0)])
+def test_bf16_gradients_reach_the_kernel_as_they_are_and_train_as_widened_bit_for_bit(monkeypatch, delay, clip):
+    # a bf16 matmul's weight gradient is a bf16 number: streamed to its update, or held for it (the delayed blocks',
+    # schedule "forward"'s), it stays bf16 and the kernel reads it so; the weights equal those of fp32 gradients
+    from lightning_slide.engine import EngineConfig
+    from lightning_slide.engine.optim import CpuOptimizer
+
+    dtypes = []
+    step = adam_bf16.step
+    monkeypatch.setattr(
+        adam_bf16, "step", lambda p, g, *args, **kwargs: dtypes.append(g.dtype) or step(p, g, *args, **kwargs)
+    )
+    module = CausalLM(tiny_config("llama"), scheduler=False)
+
+    def run(**engine):
+        strategy = SlideFormerStrategy(placement="stream", num_slots=2, optimizer_state="bf16", delayed_update=delay,
+                                       delay_warmup=2, engine=EngineConfig(**engine))  # fmt: skip
+        return fit(module, strategy, steps=6, precision="bf16-mixed", gradient_clip_val=clip)[0]
+
+    narrow = run()
+    assert {torch.bfloat16, torch.float32} <= set(dtypes)  # the matrices' gradients in bf16, the norms' in fp32
+    dtypes.clear()
+    monkeypatch.setattr(CpuOptimizer, "reads_bf16_grads", lambda self, param: False)
+    wide = run(compact_retained_grads=False)
+    assert set(dtypes) == {torch.float32}
+    assert all(torch.equal(narrow[k], wide[k]) for k in wide)
 
 
 def test_bf16_state_on_nvme_trains_as_in_ram_and_resumes_exactly(tmp_path):

@@ -1,4 +1,5 @@
-// Adam / AdamW over fp32 parameters and gradients with the moments kept in bf16 (optimizer_state="bf16").
+// Adam / AdamW over fp32 parameters with the moments kept in bf16 (optimizer_state="bf16"); the gradients in fp32, or
+// in bf16 as a bf16 matmul gives them (read as they are: two bytes less per parameter than widened first).
 //
 // The arithmetic is torch's fused Adam's, in fp32 (PyTorch aten/src/ATen/native/cpu/FusedAdamKernel.cpp: the same
 // formulas, not its code). Each moment is read from bf16, updated in fp32 and stored back with stochastic rounding:
@@ -47,19 +48,22 @@ static inline uint32_t mix(uint32_t x) {  // MurmurHash3's 32-bit finalizer
     return x;
 }
 
-// One element: p, g fp32; m, v (and vmax with amsgrad) bf16 bits; at its index ``at`` among the arrays, ``index`` in
-// its whole parameter. The constants come computed (adam_bf16.py), so that this code and its torch reference round the
-// same values: sign (the gradient's factor: 1 / grad_scale, negated to maximize), keep (AdamW's 1 - lr * weight_decay,
-// else 1), l2 (Adam's weight_decay, else 0), b1c = 1 - beta1, b2c = 1 - beta2, step_size = lr / (1 - beta1^t),
-// inv_bias2_sqrt = 1 / sqrt(1 - beta2^t). ``amsgrad`` is a constant where it is inlined: each loop vectorizes.
-#define ARRAYS float *restrict p, const float *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
+// One element: p fp32; g fp32, or bf16 bits with ``bf16_grad``; m, v (and vmax with amsgrad) bf16 bits; at its
+// index ``at`` among the arrays, ``index`` in its whole parameter. The constants come computed (adam_bf16.py), so
+// that this code and its torch reference round the same values: sign (the gradient's factor: 1 / grad_scale, negated
+// to maximize), keep (AdamW's 1 - lr * weight_decay, else 1), l2 (Adam's weight_decay, else 0), b1c = 1 - beta1,
+// b2c = 1 - beta2, step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t). ``amsgrad``, ``copies``
+// and ``bf16_grad`` are constants where it is inlined: each loop vectorizes.
+#define ARRAYS float *restrict p, const void *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
                uint16_t *restrict vmax, uint16_t *restrict copy
 #define SCALARS float sign, float keep, float l2, float b1c, float beta2, float b2c, float eps, float step_size, \
                 float inv_bias2_sqrt, uint32_t seed
 #define PASS p, g, m, v, vmax, copy, sign, keep, l2, b1c, beta2, b2c, eps, step_size, inv_bias2_sqrt, seed
 
-static inline void update(int64_t at, int64_t index, const int amsgrad, const int copies, ARRAYS, SCALARS) {
-    float grad = g[at] * sign + l2 * p[at];
+static inline void update(int64_t at, int64_t index, const int amsgrad, const int copies, const int bf16_grad, ARRAYS,
+                          SCALARS) {
+    float gi = bf16_grad ? widen(((const uint16_t *)g)[at]) : ((const float *)g)[at];
+    float grad = gi * sign + l2 * p[at];
     float param = p[at] * keep;
     float mi = widen(m[at]);
     float vi = widen(v[at]);
@@ -79,32 +83,38 @@ static inline void update(int64_t at, int64_t index, const int amsgrad, const in
     v[at] = narrow(vi, bits >> 16);
 }
 
-// n contiguous elements, the first at ``index0`` in its parameter; vmax and copy NULL where not kept. ``threads``:
-// OpenMP's, torch's own runtime where it ships one (adam_bf16.py links it): idle torch threads spinning beside a second
-// pool of threads slowed the update by a third. One loop per case, each with constant flags: each vectorizes.
-#define LOOP(AMSGRAD, COPIES)                                                                   \
+// n contiguous elements, the first at ``index0`` in its parameter; vmax and copy NULL where not kept; ``bf16_grad``:
+// the gradient is bf16. ``threads``: OpenMP's, torch's own runtime where it ships one (adam_bf16.py links it): idle
+// torch threads spinning beside a second pool of threads slowed the update by a third. One loop per case, each with
+// constant flags: each vectorizes.
+#define LOOP(AMSGRAD, COPIES, BF16_GRAD)                                                        \
     _Pragma("omp parallel for simd schedule(static) num_threads(threads) if (n >= MIN_PARALLEL)") \
-    for (int64_t i = 0; i < n; i++) update(i, index0 + i, AMSGRAD, COPIES, PASS)
+    for (int64_t i = 0; i < n; i++) update(i, index0 + i, AMSGRAD, COPIES, BF16_GRAD, PASS)
+#define LOOPS(AMSGRAD, COPIES)        \
+    do {                              \
+        if (bf16_grad)                \
+            LOOP(AMSGRAD, COPIES, 1); \
+        else                          \
+            LOOP(AMSGRAD, COPIES, 0); \
+    } while (0)
 
-void adam_bf16(int64_t n, int64_t index0, int threads, ARRAYS, SCALARS) {
+void adam_bf16(int64_t n, int64_t index0, int threads, int bf16_grad, ARRAYS, SCALARS) {
     if (vmax && copy)
-        LOOP(1, 1);
+        LOOPS(1, 1);
     else if (vmax)
-        LOOP(1, 0);
+        LOOPS(1, 0);
     else if (copy)
-        LOOP(0, 1);
+        LOOPS(0, 1);
     else
-        LOOP(0, 0);
+        LOOPS(0, 0);
 }
 
 // ``count`` rows of ``width`` elements gathered from a parameter's rows ``rows``
-void adam_bf16_rows(int64_t count, int64_t width, const int64_t *restrict rows, int threads, ARRAYS, SCALARS) {
+void adam_bf16_rows(int64_t count, int64_t width, const int64_t *restrict rows, int threads, int bf16_grad, ARRAYS,
+                    SCALARS) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (count * width >= MIN_PARALLEL)
     for (int64_t r = 0; r < count; r++) {
         int64_t at = r * width, index = rows[r] * width;
-        if (vmax)
-            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 1, copy != NULL, PASS);
-        else
-            for (int64_t c = 0; c < width; c++) update(at + c, index + c, 0, copy != NULL, PASS);
+        for (int64_t c = 0; c < width; c++) update(at + c, index + c, vmax != NULL, copy != NULL, bf16_grad, PASS);
     }
 }

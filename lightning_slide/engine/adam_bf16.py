@@ -2,8 +2,9 @@
 machine's C compiler (its threads from torch's OpenMP runtime) and called through ctypes, and ``adam_bf16_ref``, the
 same arithmetic in torch ops (the reference of the tests, and the path of rows updated on the GPU).
 
-Half the bytes of fp32 moments in RAM and on disk, and 20 instead of 28 bytes of memory traffic per parameter and
-update (the CPU step is memory-bound). The moments are stored with stochastic rounding (``adam_bf16.c`` says why).
+Half the bytes of fp32 moments in RAM and on disk, and 20 instead of 28 bytes of memory traffic per parameter and update
+(the CPU step is memory-bound); 18 where the gradient comes in bf16, as a bf16 matmul gives it. The moments are stored
+with stochastic rounding (``adam_bf16.c`` says why).
 """
 
 from __future__ import annotations
@@ -57,25 +58,29 @@ class AdamArgs:
 
 def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *, index0: int = 0,
          rows: Tensor | None = None, threads: int = 1, copy: Tensor | None = None) -> None:  # fmt: skip
-    """Update the contiguous fp32 ``p`` with the fp32 gradient ``g`` and the bf16 moments ``m``, ``v`` (``vmax``:
-    amsgrad's running maximum) in place, on up to ``threads`` threads. The rounding's random bits come from ``seed``
-    and each element's index in its whole parameter: ``p`` is the part that starts at element ``index0``, or (``rows``,
-    int64) those leading rows of it, gathered. ``copy`` (bf16): receives the updated ``p``, as ``p.bfloat16()``."""
+    """Update the contiguous fp32 ``p`` with the gradient ``g`` (fp32, or bf16 read as it is) and the bf16 moments
+    ``m``, ``v`` (``vmax``: amsgrad's running maximum) in place, on up to ``threads`` threads. The rounding's random
+    bits come from ``seed`` and each element's index in its whole parameter: ``p`` is the part that starts at element
+    ``index0``, or (``rows``, int64) those leading rows of it, gathered. ``copy`` (bf16): receives the updated ``p``,
+    as ``p.bfloat16()``."""
     n = p.numel()
     tensors = (p, g, m, v) + tuple(t for t in (vmax, copy) if t is not None)
     if not all(t.is_contiguous() and t.device.type == "cpu" and t.numel() == n for t in tensors):
         raise ValueError("adam_bf16.step takes contiguous CPU tensors of one size.")
+    if g.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"adam_bf16.step takes an fp32 or bf16 gradient; got {g.dtype}.")
+    bf16_grad = int(g.dtype == torch.bfloat16)
     if n == 0:
         return
     arrays = [t.data_ptr() for t in (p, g, m, v)] + [t.data_ptr() if t is not None else None for t in (vmax, copy)]
     scalars = (*astuple(args), seed & 0xFFFFFFFF)
     if rows is None:
-        library().adam_bf16(n, index0, threads, *arrays, *scalars)
+        library().adam_bf16(n, index0, threads, bf16_grad, *arrays, *scalars)
     else:
         if rows.dtype != torch.int64 or rows.device.type != "cpu":
             raise ValueError("adam_bf16.step takes the rows as int64 on the CPU.")
         rows = rows.contiguous()
-        library().adam_bf16_rows(len(rows), n // len(rows), rows.data_ptr(), threads, *arrays, *scalars)
+        library().adam_bf16_rows(len(rows), n // len(rows), rows.data_ptr(), threads, bf16_grad, *arrays, *scalars)
 
 
 def adam_bf16_ref(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *,
@@ -87,7 +92,7 @@ def adam_bf16_ref(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | Non
     else:
         index = (rows.to(p.device)[:, None] * width + torch.arange(width, device=p.device)).flatten()
     index = index.view(p.shape)
-    grad = g * args.sign + p * args.l2
+    grad = g.float() * args.sign + p * args.l2
     param = p * args.keep
     mi, vi = m.float(), v.float()
     mi = mi + (grad - mi) * args.b1c
@@ -159,7 +164,7 @@ def library() -> ctypes.CDLL:
             os.replace(built, target)  # whole, also where several processes build it at once
     library = ctypes.CDLL(str(target))
     pointer, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    arguments = [ctypes.c_int] + [pointer] * 6 + [f32] * 9 + [ctypes.c_uint32]
+    arguments = [ctypes.c_int, ctypes.c_int] + [pointer] * 6 + [f32] * 9 + [ctypes.c_uint32]
     library.adam_bf16.argtypes = [i64, i64, *arguments]
     library.adam_bf16_rows.argtypes = [i64, i64, pointer, *arguments]
     library.adam_bf16.restype = library.adam_bf16_rows.restype = None

@@ -45,9 +45,11 @@ class EngineConfig:
         delayed_blocks: with ``delayed_update=True``, the first N streamed blocks are updated a step late
             (``delay.py``). ``"auto"``: every streamed block where the plan predicts a faster step (``rates.py``), none
             where the GPU sets the pace (every block on the CPU), fewer where the host cannot hold their copies.
-        compact_retained_grads: schedule "forward" without accumulation: keep the retained gradients of the matrices
-            computed with in bf16 in bf16 (2 bytes per parameter instead of 4; a slower CPU update). ``"auto"``: only
-            where fp32 ones would not fit the RAM available.
+        compact_retained_grads: without accumulation, keep the retained gradients (schedule "forward"; the deferred
+            and delayed blocks' with "backward") of the matrices computed with in bf16 in bf16 (2 bytes per parameter
+            instead of 4). ``"auto"``: with ``optimizer_state="bf16"``, whose kernel reads them as they are; else
+            only where fp32 ones would not fit the RAM available (torch's fused AdamW needs them widened: a slower
+            CPU update).
         nvme_read_ahead_bytes: the NVMe tier's optimizer state read ahead of its updates and not yet used, at most
             (RAM that keeps the disk busy; 0: one block at a time).
         register_min_bytes: pinned host buffers from this size are pinned by registering their pages with the driver;

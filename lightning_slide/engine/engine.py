@@ -239,13 +239,14 @@ class SlideEngine:
 
     def compact_grads(self) -> set[nn.Parameter]:
         """The parameters whose retained gradients the host keeps in the compute dtype (``compact_grads``): owned
-        matrices computed with in bf16, with the "forward" schedule and no accumulation. Not where hooks read
-        ``param.grad`` (an fp32 tensor there), nor shared weights (their contributions are summed in fp32), nor the
-        embedding (fp32 rows), nor with the state on disk or shared by a node's processes."""
+        matrices computed with in bf16, of the units that retain theirs for one backward pass (all with schedule
+        "forward", the deferred and delayed blocks with "backward"). Not where hooks read ``param.grad`` (an fp32
+        tensor there), nor shared weights (their contributions are summed in fp32), nor the embedding (fp32 rows), nor
+        with the state on disk or shared by a node's processes."""
         if not (
             self._compact_grads
             and self.optimizer is not None
-            and self.schedule == "forward"
+            and self.schedule in ("forward", "backward")
             and not self._accumulates
             and not self.hooks_read_grads
             and self.compute_dtype == torch.bfloat16
@@ -254,7 +255,7 @@ class SlideEngine:
         ):
             return set()
         return {
-            p for u in self.units for p, o, dtype in zip(u.params, u.owner, u.dtypes)
+            p for u in self._retained_units() for p, o, dtype in zip(u.params, u.owner, u.dtypes)
             if o is u and dtype == self.compute_dtype and p not in self._shared
         }  # fmt: skip
 

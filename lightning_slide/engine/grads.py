@@ -1,11 +1,12 @@
 """Gradients from a unit's backward on the device to the host, chunk by chunk, on a sender thread.
 
-Each gradient leaves through the device staging chunks (upcast to fp32 on the device) into a pinned landing buffer
-from a pool, for the CPU worker to apply (streamed), or straight into the retained host buffer (``updates.py``). A
-later contribution to a retained gradient is added in the staging chunk to the rows brought back up from that buffer
-(PCIe has room where the CPU has none), and the sum goes back into it, or to its update. The copies are issued by
-the sender thread, so the backward pass never waits for a free landing buffer while the CPU catches up; it waits only
-when the gradients queued on the device exceed ``max_queued_bytes``.
+Each gradient leaves through the device staging chunks (upcast to fp32 on the device, unless its update reads it in
+bf16: ``CpuOptimizer.reads_bf16_grads``) into a pinned landing buffer from a pool, for the CPU worker to apply
+(streamed), or straight into the retained host buffer (``updates.py``). A later contribution to a retained gradient is
+added in the staging chunk to the rows brought back up from that buffer (PCIe has room where the CPU has none), and the
+sum goes back into it, or to its update. The copies are issued by the sender thread, so the backward pass never waits
+for a free landing buffer while the CPU catches up; it waits only when the gradients queued on the device exceed
+``max_queued_bytes``.
 
 Contributions from a unit that does not own a parameter (the output head of a model with tied embeddings) wait on
 the device until the owner's backward adds its own, so every parameter is moved and updated once.
@@ -241,6 +242,11 @@ class GradSender:
             updates.widen(param, keep=not direct)
             compact = False
         into_host = (direct or readback) and plan is None  # else the sum streams to its update
+        # a lone bf16 gradient that streams to an update reading it as it is leaves in bf16 (half the bytes; exact)
+        compact = compact or (
+            plan is not None and not readback and len(contribs) == 1 and isinstance(contribs[0], Tensor)
+            and contribs[0].dtype == torch.bfloat16 and updates.optimizer.reads_bf16_grads(param)
+        )  # fmt: skip
         if into_host:
             updates.device_sq[param] = torch.zeros((), dtype=torch.float32, device=tr.device)
         else:
@@ -255,17 +261,18 @@ class GradSender:
             if compact:  # the bf16 gradient as it came, in the first half of the fp32 chunk
                 stage = stage.view(torch.bfloat16)[:numel].view(shape)
                 stage.copy_(rows_of(contribs[0], cut))
-                flat = stage.view(-1).float()
             else:
                 stage = stage.view(shape)
                 if readback:
                     stage.copy_(rows_of(updates.host[param], cut), non_blocking=True)
                     self.upload_bytes += 4 * numel
                 combine(stage, contribs, cut, add=readback)
-                flat = stage.view(-1)
             if into_host:
+                flat = stage.view(-1).float()
                 updates.device_sq[param] += torch.dot(flat, flat)
-            target = rows_of(updates.host[param], cut) if into_host else landing[:numel].view(shape)
+                target = rows_of(updates.host[param], cut)
+            else:
+                target = landing.view(stage.dtype)[:numel].view(shape)
             event = tr.download(stage, target)
             self.download_bytes += stage.element_size() * numel
             if plan is not None:

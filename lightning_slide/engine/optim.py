@@ -155,6 +155,11 @@ class CpuOptimizer:
                     state[key] = self._new_state(param, key)
         state["step"] += 1
 
+    def reads_bf16_grads(self, param: Tensor) -> bool:
+        """Whether ``param``'s update reads a bf16 gradient as it is (the bf16 moments' kernel); elsewhere one is
+        widened first."""
+        return not self.is_sgd and param.dtype == torch.float32 and self.state_dtype == torch.bfloat16
+
     def state_dtype_of(self, param: Tensor) -> torch.dtype:
         """The dtype of ``param``'s state tensors."""
         return self.state_dtype if param.dtype == torch.float32 else param.dtype
@@ -181,7 +186,8 @@ class CpuOptimizer:
 
         Args:
             params: the master parameters.
-            grads: fp32 gradients, one per parameter, shaped like ``param[rows[i]]``.
+            grads: fp32 gradients (bf16 ones where :meth:`reads_bf16_grads`), one per parameter, shaped like
+                ``param[rows[i]]``.
             hypers: the group's frozen hyperparameters.
             rows: for each parameter, the slice of leading rows to update (``None``: all of it).
             grad_scale: a 1-element tensor; gradients are divided by it (the clipping coefficient enters here).

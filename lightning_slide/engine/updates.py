@@ -11,7 +11,8 @@ Two ways a gradient reaches its update (``grads.py`` moves it):
   added on the device to the rows brought back up from them (``grads.py``), so the CPU never adds gradients. With
   "backward", the window's last backward streams those sums to their update; otherwise :meth:`Updates.schedule` queues
   the update once the window is complete. ``compact`` parameters (one bf16 contribution per window) keep theirs in
-  bf16, which holds it exactly; the update widens it to fp32 a chunk at a time. One that receives a second
+  bf16, which holds it exactly; the update reads it as it is (bf16 moments' kernel) or widens it to fp32 a chunk at a
+  time. One that receives a second
   contribution (a block that ran twice) is widened to fp32 for the rest of the run, its second contribution added by
   the worker (:meth:`Updates.absorb_chunk`).
 """
@@ -333,7 +334,11 @@ class Updates:
                 finite = self.shared.all_true(finite)
             if not finite:
                 raise nonfinite(plan, name)
-        compact = [g.dtype != torch.float32 for g in grads]  # bf16: widened chunk by chunk (_update_compact)
+        # bf16, widened chunk by chunk (_update_compact) unless the update reads it as it is
+        compact = [
+            g.dtype != torch.float32 and (plan.clip_value is not None or not self.optimizer.reads_bf16_grads(p))
+            for p, g in zip(params, grads)
+        ]
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(params):
             groups.setdefault(self.optimizer.group_index(p), []).append(i)
