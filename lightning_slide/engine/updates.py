@@ -12,9 +12,8 @@ Two ways a gradient reaches its update (``grads.py`` moves it):
   "backward", the window's last backward streams those sums to their update; otherwise :meth:`Updates.schedule` queues
   the update once the window is complete. ``compact`` parameters (one bf16 contribution per window) keep theirs in
   bf16, which holds it exactly; the update reads it as it is (bf16 moments' kernel) or widens it to fp32 a chunk at a
-  time. One that receives a second
-  contribution (a block that ran twice) is widened to fp32 for the rest of the run, its second contribution added by
-  the worker (:meth:`Updates.absorb_chunk`).
+  time. One that receives a second contribution (a block that ran twice) is widened to fp32 for the rest of the run,
+  its second contribution added by the worker (:meth:`Updates.absorb_chunk`).
 """
 
 from __future__ import annotations
