@@ -109,7 +109,9 @@ def test_training_with_bf16_state_stays_near_fp32_state_and_keeps_bf16_moments()
     assert {s["exp_avg"].dtype for s in states} == {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize(("delay", "clip"), [(False, None), (True, None), (True, 1.0)])
+@pytest.mark.parametrize(
+    ("delay", "clip"), [(False, None), pytest.param(True, None, marks=pytest.mark.slow), (True, 1.0)]
+)
 def test_bf16_gradients_reach_the_kernel_as_they_are_and_train_as_widened_bit_for_bit(monkeypatch, delay, clip):
     # a bf16 matmul's weight gradient is a bf16 number: streamed to its update, or held for it (the delayed blocks',
     # schedule "forward"'s), it stays bf16 and the kernel reads it so; the weights equal those of fp32 gradients
