@@ -109,10 +109,13 @@ def test_training_with_bf16_state_stays_near_fp32_state_and_keeps_bf16_moments()
     assert {s["exp_avg"].dtype for s in states} == {s["exp_avg_sq"].dtype for s in states} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize(
-    ("delay", "clip"), [(False, None), pytest.param(True, None, marks=pytest.mark.slow), (True, 1.0)]
-)
-def test_bf16_gradients_reach_the_kernel_as_they_are_and_train_as_widened_bit_for_bit(monkeypatch, delay, clip):
+@pytest.mark.parametrize(("delay", "clip", "accelerator"), [
+    (False, None, "cpu"), pytest.param(True, None, "cpu", marks=pytest.mark.slow), (True, 1.0, "cpu"),
+    pytest.param(False, None, "gpu", marks=pytest.mark.gpu), pytest.param(True, 1.0, "gpu", marks=pytest.mark.gpu),
+])  # fmt: skip
+def test_bf16_gradients_reach_the_kernel_as_they_are_and_train_as_widened_bit_for_bit(
+    monkeypatch, delay, clip, accelerator
+):
     # a bf16 matmul's weight gradient is a bf16 number: streamed to its update, or held for it (the delayed blocks',
     # schedule "forward"'s), it stays bf16 and the kernel reads it so; the weights equal those of fp32 gradients
     from lightning_slide.engine import EngineConfig
@@ -128,7 +131,9 @@ def test_bf16_gradients_reach_the_kernel_as_they_are_and_train_as_widened_bit_fo
     def run(**engine):
         strategy = SlideFormerStrategy(placement="stream", num_slots=2, optimizer_state="bf16", delayed_update=delay,
                                        delay_warmup=2, engine=EngineConfig(**engine))  # fmt: skip
-        return fit(module, strategy, steps=6, precision="bf16-mixed", gradient_clip_val=clip)[0]
+        return fit(module, strategy, steps=6, precision="bf16-mixed", gradient_clip_val=clip, accelerator=accelerator)[
+            0
+        ]
 
     narrow = run()
     assert {torch.bfloat16, torch.float32} <= set(dtypes)  # the matrices' gradients in bf16, the norms' in fp32
