@@ -131,9 +131,10 @@ def test_bf16_gradients_reach_the_kernel_as_they_are_and_train_as_widened_bit_fo
     def run(**engine):
         strategy = SlideFormerStrategy(placement="stream", num_slots=2, optimizer_state="bf16", delayed_update=delay,
                                        delay_warmup=2, engine=EngineConfig(**engine))  # fmt: skip
-        return fit(module, strategy, steps=6, precision="bf16-mixed", gradient_clip_val=clip, accelerator=accelerator)[
-            0
-        ]
+        state, _ = fit(
+            module, strategy, steps=6, precision="bf16-mixed", gradient_clip_val=clip, accelerator=accelerator
+        )
+        return state
 
     narrow = run()
     assert {torch.bfloat16, torch.float32} <= set(dtypes)  # the matrices' gradients in bf16, the norms' in fp32
