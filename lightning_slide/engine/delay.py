@@ -1,9 +1,9 @@
 """The one-step-delayed update of the first streamed blocks (``SlideFormerStrategy(delayed_update=True)``).
 
 The idea is DeepSpeed's delayed parameter update (ZeRO-Offload, Ren et al. 2021): the CPU applies step t's update
-while the GPU runs step t+1 with the weights of before it. Here it is limited to the first ``k`` streamed blocks, the
-ones whose updates would otherwise hold up the next forward (the plan picks ``k``, ``rates.py``); every other
-parameter is updated exactly as before. For a delayed block, with ``m_t`` its masters before step t's update:
+while the GPU runs step t+1 with the weights of before it. Here it applies to the first ``k`` streamed blocks (the plan
+delays all of them where that predicts a faster step, ``overlap.py``; each one more delayed was measured faster); every
+other parameter is updated exactly as before. For a delayed block, with ``m_t`` its masters before step t's update:
 
     step t computes with  w_t = m_(t-1)      (a copy on the host, in the dtype the device computes with)
     step t's update       m_(t+1) = update(m_t, gradient at w_t)
