@@ -2,8 +2,9 @@
 PCIe copies run in both directions, and whole tensors vs 8M-element chunks. ``--widen`` instead compares fp32
 gradients with bf16 ones widened to fp32 a chunk at a time (the "forward" schedule's bf16 retained gradients), for
 several chunk sizes. ``--state`` compares fp32 moments (torch's fused AdamW) with bf16 ones (``optimizer_state="bf16"``:
-``lightning_slide/engine/adam_bf16.py``) through the engine's ``CpuOptimizer``, chunk by chunk as the engine updates,
-on the same pinned parameters, alone and under PCIe load (``results/cpu_adam_state.csv``).
+``lightning_slide/engine/adam_bf16.py``), the latter with fp32 gradients and with bf16 ones read as they are, through
+the engine's ``CpuOptimizer``, chunk by chunk as the engine updates, on the same pinned parameters, alone and under
+PCIe load (``results/cpu_adam_state.csv``).
 
     python benchmarks/bench_cpu_adam.py --params 1e9
     python benchmarks/bench_cpu_adam.py --params 1e9 --widen
@@ -56,12 +57,12 @@ def widen(n: int, threads: int, common: dict, out: str) -> None:
 
 def engine_time(params, grads, state: torch.dtype, threads: int, repeats: int = 3) -> float:
     """Median time of the engine's CPU update (``CpuOptimizer``, AdamW, moments in ``state``) over ``params``, as
-    the engine runs it: chunks of 8M elements, each gradient first copied into a landing buffer."""
+    the engine runs it: chunks of 8M elements, each gradient first copied into a landing buffer of its dtype."""
     from lightning_slide.engine.optim import CpuOptimizer
 
     optimizer = CpuOptimizer(torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01), state)
     hypers = optimizer.snapshot()[0]
-    landing = torch.empty(CHUNK, pin_memory=torch.cuda.is_available())
+    landing = torch.empty(CHUNK, dtype=grads[0].dtype, pin_memory=torch.cuda.is_available())
     torch.set_num_threads(threads)
     times = []
     for _ in range(repeats + 1):
@@ -81,12 +82,15 @@ CHUNK = 1 << 23  # the engine's transfer chunk (EngineConfig.chunk_numel)
 def state_dtypes(n: int, threads: int, common: dict, out: str) -> None:
     params = [torch.randn(n, pin_memory=True) for _ in range(4)]
     grads = [torch.randn(n, pin_memory=True) * 1e-3 for _ in range(4)]
+    narrow = [g.bfloat16() for g in grads]
+    cases = [(torch.float32, grads), (torch.bfloat16, grads), (torch.bfloat16, narrow)]
     for load in (False, True):
-        for state in (torch.float32, torch.bfloat16, torch.bfloat16, torch.float32):  # both orders: drift shows
+        for state, these in cases + cases[::-1]:  # both orders: drift shows
             with PcieLoad() if load else contextlib.nullcontext() as pcie:
-                t = engine_time(params, grads, state, threads)
+                t = engine_time(params, these, state, threads)
             append_row(out, {**common, "memory": "pinned", "state": str(state).removeprefix("torch."),
-                             "chunk": CHUNK, "pcie_load_gbps": round(pcie.gbps, 1) if load else 0.0, "seconds": t,
+                             "grads": str(these[0].dtype).removeprefix("torch."), "chunk": CHUNK,
+                             "pcie_load_gbps": round(pcie.gbps, 1) if load else 0.0, "seconds": t,
                              "gparams_per_s": sum(p.numel() for p in params) / t / 1e9})  # fmt: skip
 
 
