@@ -333,8 +333,8 @@ class Updates:
                 finite = self.shared.all_true(finite)
             if not finite:
                 raise nonfinite(plan, name)
-        # bf16, widened chunk by chunk (_update_compact) unless the update reads it as it is
-        compact = [
+        # bf16 gradients the update does not read as they are: widened chunk by chunk (_update_compact)
+        widen = [
             g.dtype != torch.float32 and (plan.clip_value is not None or not self.optimizer.reads_bf16_grads(p))
             for p, g in zip(params, grads)
         ]
@@ -345,17 +345,17 @@ class Updates:
             hypers = plan.hypers[g]
             for i in idx:
                 self.optimizer.begin(params[i], hypers)
-            together = [i for i in idx if not compact[i]]
+            together = [i for i in idx if not widen[i]]
             if together:
-                wide = [grads[i] for i in together]
+                given = [grads[i] for i in together]
                 if plan.clip_value is not None:
-                    torch._foreach_clamp_min_(wide, -plan.clip_value)
-                    torch._foreach_clamp_max_(wide, plan.clip_value)
-                self.optimizer.update([params[i] for i in together], wide, hypers, rows=[rows[i] for i in together],
+                    torch._foreach_clamp_min_(given, -plan.clip_value)
+                    torch._foreach_clamp_max_(given, plan.clip_value)
+                self.optimizer.update([params[i] for i in together], given, hypers, rows=[rows[i] for i in together],
                                       grad_scale=plan.grad_scale,
                                       copies=[copies.get(params[i]) for i in together])  # fmt: skip
             for i in idx:
-                if compact[i]:
+                if widen[i]:
                     self._update_compact(params[i], grads[i], hypers, plan, copies.get(params[i]))
             for i in idx:
                 self.optimizer.end(params[i])
