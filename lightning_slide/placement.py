@@ -354,6 +354,7 @@ def _streamed_work(work: Work, engine: SlideEngine, host: HostPlan) -> Work:
     delayed = overlap.trained(engine.delayed, trainable)
     bf16 = engine.optimizer is not None and engine.optimizer.state_dtype == torch.bfloat16
     return replace(work, streamed=travel, trained=sum(p.numel() for p in trainable), bf16_state=bf16,
+                   bf16_grads=bf16 and engine.compute_dtype == torch.bfloat16,
                    disk_state_bytes=2 * host.disk, processes=share, share=share, deferred=deferred[0],
                    deferred_matmul=deferred[1], delayed=delayed[0], delayed_matmul=delayed[1])  # fmt: skip
 

@@ -6,8 +6,9 @@ The model, fitted to the H200 runs of ``benchmarks/bench_core.py`` (benchmarks/N
   backward counts two, one for the input's gradient and one for the weight's), at ``gpu_tflops``; copies run beside
   it at ``pcie_gbs`` each way (fp32 masters up for the forward and again for the backward, converted on the GPU; fp32
   gradients down);
-- the CPU optimizer steps ``cpu_params_per_s`` parameters a second (``cpu_bf16_params_per_s`` with bf16 moments), or
-  the disk moves the NVMe tier's state (read and written back) at ``disk_gbs``; a micro-batch after a window's first
+- the CPU optimizer steps ``cpu_params_per_s`` parameters a second (``cpu_bf16_params_per_s`` with bf16 moments,
+  ``cpu_bf16_grad_params_per_s`` where they read bf16 gradients, which then go down in 2 bytes, not 4), or the disk
+  moves the NVMe tier's state (read and written back) at ``disk_gbs``; a micro-batch after a window's first
   brings the retained fp32 gradients back up to add its own on the GPU (4 more bytes up per trained parameter);
 - schedule "backward" updates while the backward runs, so the CPU starts when the forward ends; where the first blocks'
   updates are deferred, they run after the backward instead and overlap those blocks' next forward, the rest of the
@@ -42,6 +43,7 @@ class Rates:
         pcie_gbs: host-device copies, each way (GB/s).
         cpu_params_per_s: torch's fused CPU AdamW, all cores but one.
         cpu_bf16_params_per_s: the same with bf16 moments (``engine/adam_bf16.py``; 20 bytes a parameter, not 28).
+        cpu_bf16_grad_params_per_s: bf16 moments reading bf16 gradients as they are (18 bytes a parameter).
         cpu_copy_params_per_s: the cast of fp32 masters into a delayed block's bf16 weights (fp32 moments).
         disk_gbs: the NVMe tier's reads and writes together (GB/s).
         stream_start_s: a streamed step's start, before the window and the updates overlap the compute.
@@ -51,6 +53,7 @@ class Rates:
     pcie_gbs: float = 50.0
     cpu_params_per_s: float = 3.5e9
     cpu_bf16_params_per_s: float = 4.2e9  # 1.2x the fp32 rate, as bench_cpu_adam.py --state measured side by side
+    cpu_bf16_grad_params_per_s: float = 5.0e9  # 1.15-1.3x the fp32 gradients' rate (bench_cpu_adam.py --state)
     cpu_copy_params_per_s: float = 4.7e9  # an H100 host, in the 8k step (benchmarks/NOTES.md, session 39)
     disk_gbs: float = 3.0
     stream_start_s: float = 0.1
@@ -72,6 +75,7 @@ class Work:
     deferred: int = 0  # of the trained, those updated during the next forward (schedule "backward")
     deferred_matmul: int = 0  # weights of their matrices
     bf16_state: bool = False  # Adam's moments in bf16 (optimizer_state="bf16")
+    bf16_grads: bool = False  # with them, the matrices' gradients stay bf16 (a bf16 compute's) down to the update
     delayed: int = 0  # of the trained, those updated a step late (delay.py)
     delayed_matmul: int = 0  # weights of their matrices
 
@@ -87,11 +91,13 @@ def predict_step_s(work: Work, schedule: str | None, rates: Rates = Rates()) -> 
         return work.micro_batches * (forward + backward)
     up = 2 * (4 * work.streamed - 2 * work.delayed_matmul) / (rates.pcie_gbs * 1e9)  # delayed: bf16 copies
     readback = 4 * work.trained / work.share / (rates.pcie_gbs * 1e9)
-    down = 4 * work.trained / work.share / (rates.pcie_gbs * 1e9)
+    down = (2 if work.bf16_grads else 4) * work.trained / work.share / (rates.pcie_gbs * 1e9)
     second = backward if schedule == "norm-first" else 0.0
     later = (work.micro_batches - 1) * max(forward + backward, up + readback, down)
     gpu = max(forward + backward, up, down) + later + second
-    per_s = rates.cpu_bf16_params_per_s if work.bf16_state else rates.cpu_params_per_s
+    per_s = rates.cpu_params_per_s
+    if work.bf16_state:
+        per_s = rates.cpu_bf16_grad_params_per_s if work.bf16_grads else rates.cpu_bf16_params_per_s
     cpu = work.trained / work.share / (per_s / work.processes)
     update = max(cpu, work.processes * work.disk_state_bytes / (rates.disk_gbs * 1e9))
     if work.delayed:  # the copies are written with their updates (bf16 moments: in the same pass)

@@ -105,6 +105,22 @@ def test_rates_from_flags_change_the_predicted_step(capsys, config_dir):
     assert json.loads(slower)["predicted_step_s"] > 5 * json.loads(out)["predicted_step_s"]
 
 
+@pytest.mark.parametrize(("precision", "bf16_grads"), [("bf16-mixed", True), ("32-true", False)])
+def test_bf16_state_under_a_bf16_compute_is_predicted_at_the_bf16_gradients_rate(
+    capsys, config_dir, precision, bf16_grads
+):
+    args = [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision", precision,
+            "--trainer.strategy.init_args.optimizer_state", "bf16", "--gpu-memory", "24", "--host-memory", "64",
+            "--json"]  # fmt: skip
+    step = json.loads(_run(capsys, args)[1])["predicted_step_s"]
+    slower = {flag: json.loads(_run(capsys, [*args, flag, "1e8"])[1])["predicted_step_s"] / step
+              for flag in ("--rate-cpu-bf16-grad-params-per-s", "--rate-cpu-bf16-params-per-s")}  # fmt: skip
+    # an fp32 compute's gradients are fp32: read at the rate of bf16 moments with fp32 gradients
+    read, unread = slower.values() if bf16_grads else reversed(slower.values())
+    assert read > 5
+    assert unread == 1
+
+
 def test_an_nvme_recipe_without_a_disk_does_not_fit_and_says_so(capsys, config_dir):
     args = ["--config", "recipes/llama3_1_8b_full_nvme.yaml", "--model.model", config_dir, "--gpu-memory", "24",
             "--host-memory", "64"]  # fmt: skip
