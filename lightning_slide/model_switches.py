@@ -1,6 +1,7 @@
 """What the strategy switches on the user's model for a run, each with its undo (run at teardown): Hugging Face's
-gradient checkpointing and KV cache off (the engine recomputes blocks itself), the project's attention, the fused
-RMSNorm and rotary kernels, and the loss computed from the hidden states without the full logits."""
+hub kernels, gradient checkpointing and KV cache off (the engine patches the forwards and recomputes blocks itself),
+the project's attention, the fused RMSNorm and rotary kernels, and the loss computed from the hidden states without
+the full logits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .attention import use_slide_attention
 from .engine import SlideEngine
 from .fused import use_fused_ops
 from .loss import causal_lm_loss
-from .models import Layout, disable_hf_cache, disable_hf_checkpointing, install_causal_lm_loss
+from .models import Layout, disable_hf_cache, disable_hf_checkpointing, disable_hub_kernels, install_causal_lm_loss
 
 Restore = Callable[[], None]
 
@@ -24,7 +25,7 @@ def switch_model(
 ) -> list[Restore]:  # fmt: skip
     """Switch what the run changes before the plan (the strategy's ``attention`` and ``fused_ops``); returns the
     undos, in the order they were made."""
-    restores = [disable_hf_checkpointing(module)]
+    restores = [disable_hub_kernels(module), disable_hf_checkpointing(module)]
     if fitting and layout.pretrained is not None:
         restores.append(disable_hf_cache(layout.pretrained))
     low_precision = dtype != torch.float32  # the attention kernel's Triton path is bf16/fp16

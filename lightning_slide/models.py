@@ -140,6 +140,28 @@ def disable_hf_checkpointing(root: nn.Module) -> Callable[[], None]:
     return restore
 
 
+def disable_hub_kernels(root: nn.Module) -> Callable[[], None]:
+    """Turn off transformers' hub kernels (``use_kernels``, on by default in ``from_pretrained`` where the ``kernels``
+    package is installed, as transformers 5.25 installs it): each ``train()`` / ``eval()`` then kernelizes the model
+    again, which puts back the forwards of its kernel-decorated layers (the RMSNorm), and with them the engine's
+    patched ones (a validation loop's switch made the final norm train outside the engine). Returns a function that
+    turns them back on where they were on."""
+    switched = [m for m in root.modules() if getattr(m, "use_kernels", False) is True]
+    for module in switched:
+        module.use_kernels = False
+    if switched:
+        log.info(
+            "SlideFormer turns transformers' hub kernels (use_kernels) off while it runs: kernelizing at each"
+            " train/eval switch would replace the forwards it patches; they are on again when it ends."
+        )
+
+    def restore() -> None:
+        for module in switched:
+            module.use_kernels = True
+
+    return restore
+
+
 def disable_hf_cache(model: nn.Module) -> Callable[[], None]:
     """``config.use_cache`` off while SlideFormer trains, as Hugging Face's Trainer does under gradient checkpointing:
     a block's recompute would add to a KV cache a second time, and a cache passed by position (GPT-2's

@@ -128,6 +128,23 @@ def test_model_from_a_local_directory_trains_in_train_mode(tmp_path):
     assert in_eval == []
 
 
+def test_a_pretrained_model_streams_through_validation_as_plain_lightning_trains_it(tmp_path):
+    # transformers 5.25 loads a model with its hub kernels on where the `kernels` package is installed; every
+    # train()/eval() switch then kernelized it again, which put back the final norm's own forward and took it out of
+    # the engine: the step after a validation failed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY)).save_pretrained(tmp_path)
+    ref, _, _ = train(model=str(tmp_path), steps=3, val_check_interval=1)
+    ours, module, _ = train(SlideFormerStrategy(num_slots=2, placement="stream"), model=str(tmp_path), steps=3,
+                            val_check_interval=1)  # fmt: skip
+    err, where = max_rel_error(ours, ref)
+    assert err < 1e-5, f"{where}: {err:.2e}"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert getattr(module.causal_lm, "use_kernels", None) == getattr(loaded, "use_kernels", None)  # on again
+
+
 def test_step_normalization_weighs_every_token_of_the_accumulation_step_equally():
     # The micro-batch losses Lightning sums (each divided by the accumulation count) must add up to the mean
     # token loss of the whole step, computed here from full logits.
