@@ -12,8 +12,13 @@ runs are judged against (each run's root-mean-square distance to it is printed l
 Each run is a fresh ``slide fit`` process; ``train/loss`` is logged every 5 steps. Appends one CSV row per logged
 step to --out (``plots.py`` draws them).
 
+``--finetune``: a fine-tuning run instead of one from a random init: the model is first trained as the recipe trains
+it (plain Lightning, fp32, --pretrain-steps) and exported, and each system then trains those weights on a task the
+recipe's corpus does not hold (subtraction and products of the same number words), at --lr (default 1e-4 here).
+
     python benchmarks/bench_loss.py --out benchmarks/results/loss.csv
     python benchmarks/bench_loss.py --model quickstart --accelerator cpu   # the recipe's model, on the CPU
+    python benchmarks/bench_loss.py --model quickstart --accelerator cpu --finetune
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import argparse
 import csv
 import datetime
 import glob
+import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -78,19 +85,42 @@ MODELS = {  # name: (`slide fit` overrides, blocks)
 }  # fmt: skip
 
 
-def run(system: str, model: str, steps: int, precision: str, accelerator: str, root: str, lr: str | None
-        ) -> list[tuple[int, float]]:  # fmt: skip
-    """``slide fit`` of one system; its (step, train/loss) points."""
+def run(system: str, model: str, steps: int, precision: str, accelerator: str, root: str, lr: str | None,
+        start: list[str] = ()) -> list[tuple[int, float]]:  # fmt: skip
+    """``slide fit`` of one system (``start``: more overrides, e.g. the fine-tuning's weights and data); its (step,
+    train/loss) points."""
     recipe = os.path.join(ROOT, "recipes", "quickstart.yaml")
     command = [sys.executable, "-m", "lightning_slide", "fit", "--config", recipe, "--trainer.max_steps", str(steps),
                "--trainer.log_every_n_steps", "5", "--trainer.val_check_interval", str(steps), "--trainer.precision",
                precision, "--trainer.accelerator", accelerator, "--trainer.default_root_dir", root,
                "--trainer.enable_progress_bar", "false", *MODELS[model][0]]  # fmt: skip
-    command += overrides(system, MODELS[model][1])[0] + (["--model.lr", lr] if lr else [])
+    command += overrides(system, MODELS[model][1])[0] + (["--model.lr", lr] if lr else []) + list(start)
     subprocess.run(command, check=True, cwd=ROOT)  # cwd: benchmarks.delayed_rule importable
     (metrics,) = glob.glob(os.path.join(root, "lightning_logs", "*", "metrics.csv"))
     with open(metrics) as f:
         return [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r.get("train/loss")]
+
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def pretrained(model: str, steps: int, accelerator: str, folder: str) -> list[str]:
+    """The ``slide fit`` overrides of a fine-tuning run: the model trained as the recipe trains it (plain Lightning,
+    fp32, ``steps`` steps) and exported to ``folder``, and a new task written there."""
+    root = os.path.join(folder, "pretraining")
+    run("plain_fp32", model, steps, "32-true", accelerator, root, None)
+    (run_dir,) = glob.glob(os.path.join(root, "lightning_logs", "*"))
+    weights = os.path.join(folder, "model")
+    subprocess.run([sys.executable, "-m", "lightning_slide", "export", "--config", os.path.join(run_dir, "config.yaml"),
+                    "--ckpt_path", os.path.join(run_dir, "checkpoints", "last.ckpt"), "--out", weights],
+                   check=True, cwd=ROOT)  # fmt: skip
+    rng, task = random.Random(1), os.path.join(folder, "task.jsonl")
+    with open(task, "w") as f:
+        for _ in range(2000):
+            a, b = sorted((rng.randrange(10), rng.randrange(10)), reverse=True)
+            text = f"{WORDS[a]} minus {WORDS[b]} is {a - b}. {WORDS[a]} times {WORDS[b]} is {a * b}."
+            f.write(json.dumps({"text": text}) + "\n")
+    return ["--model.model", weights, "--model.config", "null", "--data.path", task]
 
 
 def main() -> None:
@@ -100,19 +130,25 @@ def main() -> None:
     parser.add_argument("--accelerator", default="gpu")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--model", choices=list(MODELS), default="quickstart-1024x8")
-    parser.add_argument("--lr", default=None, help="another learning rate than the recipe's 3e-3")
+    parser.add_argument("--lr", default=None, help="another learning rate than the recipe's 3e-3 (--finetune: 1e-4)")
+    parser.add_argument("--finetune", action="store_true", help="from the recipe's trained model, on a new task")
+    parser.add_argument("--pretrain-steps", type=int, default=300, help="--finetune: the recipe's training first")
     parser.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "loss.csv")
     )
     args = parser.parse_args()
     env = environment() if args.accelerator == "gpu" else {"date": datetime.date.today().isoformat(), "gpu": "none"}
+    folder = tempfile.TemporaryDirectory()
+    start = pretrained(args.model, args.pretrain_steps, args.accelerator, folder.name) if args.finetune else []
+    lr = args.lr or ("1e-4" if args.finetune else None)
+    model = args.model + (f", fine-tuned after {args.pretrain_steps} steps" if args.finetune else "")
+    model += f", lr {lr}" if lr else ""
     curves = {}
     for system in args.systems.split(","):
         precision = overrides(system, MODELS[args.model][1])[1] or args.precision
         with tempfile.TemporaryDirectory() as root:
-            curves[system] = dict(run(system, args.model, args.steps, precision, args.accelerator, root, args.lr))
+            curves[system] = dict(run(system, args.model, args.steps, precision, args.accelerator, root, lr, start))
         for step, loss in curves[system].items():
-            model = f"{args.model}, lr {args.lr}" if args.lr else args.model
             append_row(args.out, {**env, "model": model, "precision": precision,
                                   "system": system, "step": step, "train_loss": loss})  # fmt: skip
     if "plain_fp32" in curves:
