@@ -143,9 +143,9 @@ def disable_hf_checkpointing(root: nn.Module) -> Callable[[], None]:
 def disable_hub_kernels(root: nn.Module) -> Callable[[], None]:
     """Turn off transformers' hub kernels (``use_kernels``, on by default in ``from_pretrained`` where the ``kernels``
     package is installed, as transformers 5.25 installs it): each ``train()`` / ``eval()`` then kernelizes the model
-    again, which puts back the forwards of its kernel-decorated layers (the RMSNorm), and with them the engine's
-    patched ones (a validation loop's switch made the final norm train outside the engine). Returns a function that
-    turns them back on where they were on."""
+    again, which sets the forwards of its kernel-decorated layers (the RMSNorm) over the engine's patched ones (a
+    validation loop's switch made the final norm train outside the engine). Returns a function that turns them back
+    on where they were on."""
     switched = [m for m in root.modules() if getattr(m, "use_kernels", False) is True]
     for module in switched:
         module.use_kernels = False
