@@ -3,8 +3,8 @@
 # under a hard time limit, logs and CSV rows written to OUTDIR (default: benchmarks/results/run-<date>).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STEPS...]
-#   STEPS: any of tests quickstart flce attention fused core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters
-#          memory_32b_lora nvme_io
+#   STEPS: any of tests quickstart flce attention fused core delayed delayed_8b memory_8b memory_8b_64k memory_3b_nvme
+#          memory_3b_nvme_masters memory_32b_lora nvme_io
 #
 # The package must be importable as lightning_slide (pip install -e ., or PYTHONPATH). Every step is killed at its
 # limit (a stuck Triton compile ignores SIGTERM), and pytest dumps all thread stacks of a test that hangs.
@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-benchmarks/results/run-$(date +%F)}")
 shift || true
-steps=("${@:-tests quickstart flce attention fused core memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io}")
+steps=("${@:-tests quickstart flce attention fused core delayed delayed_8b memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
@@ -38,6 +38,10 @@ step flce 150 python bench_flce.py --out "$out/flce.csv"
 step attention 150 python bench_attention.py --out "$out/attention.csv"
 step fused 90 python bench_fused.py --out "$out/fused.csv"
 step core 540 python bench_core.py --out "$out/core.csv"
+delayed=(--strategy delayed_update=True --strategy delay_warmup=1 --strategy optimizer_state=bf16)  # issue 54's rows
+step delayed 540 python bench_core.py --systems a,b --layers 8 --tokens 8192,32768 "${delayed[@]}" --out "$out/core.csv"
+step delayed_8b 300 python bench_core.py --systems a --layers 32 --tokens 32768 --schedules forward "${delayed[@]}" \
+  --out "$out/core.csv"
 step memory_8b 300 python bench_memory.py --case 8b --out "$out/memory.csv"
 step memory_8b_64k 330 python bench_memory.py --case 8b-64k --steps 1 --out "$out/memory.csv"  # ~200 s on the H200
 step memory_3b_nvme 240 python bench_memory.py --case 3b-nvme --steps 2 --nvme-path "${SLIDE_NVME_PATH:-$HOME/slide-nvme}" \
