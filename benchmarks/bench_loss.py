@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 
+from lightning_slide.data import NUMBER_WORDS
 from results_csv import append_row, environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,9 +102,6 @@ def run(system: str, model: str, steps: int, precision: str, accelerator: str, r
         return [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f) if r.get("train/loss")]
 
 
-WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
 def pretrained(model: str, steps: int, accelerator: str, folder: str) -> list[str]:
     """The ``slide fit`` overrides of a fine-tuning run: the model trained as the recipe trains it (plain Lightning,
     fp32, ``steps`` steps) and exported to ``folder``, and a new task written there."""
@@ -114,11 +112,11 @@ def pretrained(model: str, steps: int, accelerator: str, folder: str) -> list[st
     subprocess.run([sys.executable, "-m", "lightning_slide", "export", "--config", os.path.join(run_dir, "config.yaml"),
                     "--ckpt_path", os.path.join(run_dir, "checkpoints", "last.ckpt"), "--out", weights],
                    check=True, cwd=ROOT)  # fmt: skip
-    rng, task = random.Random(1), os.path.join(folder, "task.jsonl")
+    rng, task, words = random.Random(1), os.path.join(folder, "task.jsonl"), NUMBER_WORDS
     with open(task, "w") as f:
         for _ in range(2000):
             a, b = sorted((rng.randrange(10), rng.randrange(10)), reverse=True)
-            text = f"{WORDS[a]} minus {WORDS[b]} is {a - b}. {WORDS[a]} times {WORDS[b]} is {a * b}."
+            text = f"{words[a]} minus {words[b]} is {a - b}. {words[a]} times {words[b]} is {a * b}."
             f.write(json.dumps({"text": text}) + "\n")
     return ["--model.model", weights, "--model.config", "null", "--data.path", task]
 

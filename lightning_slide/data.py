@@ -43,10 +43,12 @@ def builtin_tokenizer():
     return tokenizer
 
 
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
 def builtin_documents(n: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
     """A small synthetic corpus with learnable structure: arithmetic facts as text, and as chats."""
-    rng = random.Random(seed)
-    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    rng, words = random.Random(seed), NUMBER_WORDS
     docs: list[dict[str, Any]] = []
     for i in range(n):
         a, b = rng.randrange(10), rng.randrange(10)

@@ -126,18 +126,11 @@ def _outermost_pretrained(root: nn.Module, stack: nn.ModuleList) -> nn.Module | 
 def disable_hf_checkpointing(root: nn.Module) -> Callable[[], None]:
     """Turn off Hugging Face's own gradient checkpointing while SlideFormer trains: the engine recomputes blocks
     itself. Returns a function that turns it back on where it was on."""
-    switched = [m for m in root.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    for module in switched:
-        module.gradient_checkpointing = False
-    if switched:
-        log.info("SlideFormer turns Hugging Face gradient checkpointing off while it trains (it recomputes blocks"
-                 " itself); it is on again when training ends.")  # fmt: skip
-
-    def restore() -> None:
-        for module in switched:
-            module.gradient_checkpointing = True
-
-    return restore
+    return _turn_off(
+        root, "gradient_checkpointing",
+        "Hugging Face gradient checkpointing off while it trains (it recomputes blocks itself); it is on again when"
+        " training ends.",
+    )  # fmt: skip
 
 
 def disable_hub_kernels(root: nn.Module) -> Callable[[], None]:
@@ -146,18 +139,24 @@ def disable_hub_kernels(root: nn.Module) -> Callable[[], None]:
     again, which sets the forwards of its kernel-decorated layers (the RMSNorm) over the engine's patched ones (a
     validation loop's switch made the final norm train outside the engine). Returns a function that turns them back
     on where they were on."""
-    switched = [m for m in root.modules() if getattr(m, "use_kernels", False) is True]
+    return _turn_off(
+        root, "use_kernels",
+        "transformers' hub kernels (use_kernels) off while it runs: kernelizing at each train/eval switch would"
+        " replace the forwards it patches; they are on again when it ends.",
+    )  # fmt: skip
+
+
+def _turn_off(root: nn.Module, flag: str, what: str) -> Callable[[], None]:
+    # ``flag`` False on every module of ``root`` where it is True, logged as "SlideFormer turns <what>"; the undo
+    switched = [m for m in root.modules() if getattr(m, flag, False) is True]
     for module in switched:
-        module.use_kernels = False
+        setattr(module, flag, False)
     if switched:
-        log.info(
-            "SlideFormer turns transformers' hub kernels (use_kernels) off while it runs: kernelizing at each"
-            " train/eval switch would replace the forwards it patches; they are on again when it ends."
-        )
+        log.info("SlideFormer turns %s", what)
 
     def restore() -> None:
         for module in switched:
-            module.use_kernels = True
+            setattr(module, flag, True)
 
     return restore
 
