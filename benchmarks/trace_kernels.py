@@ -5,7 +5,8 @@
 Sums the durations of each trace's GPU kernels by name (numbers in names are dropped, so one kernel's tile variants
 count together) and prints the largest, each trace's seconds in one column. Then, per trace, the compute stream (the
 stream with the most kernel time): its span, the time it computed, and the gaps over 1 ms where it sat idle, with
-the kernel that ended each gap.
+the kernel that ended each gap, the copies that ran in it, and the host's innermost ops that span most of it (what the
+GPU waited for).
 """
 
 from __future__ import annotations
@@ -16,12 +17,28 @@ import json
 import re
 from collections import Counter
 
+HOST = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
 
-def gpu_events(path: str) -> list[dict]:
+
+def trace_events(path: str) -> tuple[list[dict], list[dict]]:
+    """The trace's GPU events (kernels, copies, memsets) and its longer host events (ops, annotations, CUDA calls)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return gpu, [e for e in events if e.get("cat") in HOST and e["dur"] >= 500]  # can cover half of a 1 ms gap
+
+
+def overlap(e: dict, start: float, end: float) -> float:
+    return max(0.0, min(end, e["ts"] + e["dur"]) - max(start, e["ts"]))
+
+
+def in_gap(gpu: list[dict], host: list[dict], start: float, end: float) -> str:
+    """The copies during a gap (ms) and the shortest host events that cover at least half of it."""
+    copied = sum(overlap(e, start, end) for e in gpu if e["cat"] == "gpu_memcpy") / 1e3
+    covering = sorted((e for e in host if overlap(e, start, end) >= (end - start) / 2), key=lambda e: e["dur"])
+    names = ", ".join(f"{e['name'][:40]} (tid {e['tid']}, {e['dur'] / 1e3:.1f} ms)" for e in covering[:3])
+    return f"copies {copied:.1f} ms; host: {names or '-'}"
 
 
 def kernel_seconds(events: list[dict]) -> Counter:
@@ -32,7 +49,7 @@ def kernel_seconds(events: list[dict]) -> Counter:
     return totals
 
 
-def compute_stream(events: list[dict], min_gap_ms: float = 1.0) -> str:
+def compute_stream(events: list[dict], host: list[dict], min_gap_ms: float = 1.0) -> str:
     """The compute stream's span, busy time and idle gaps (ms from the step's first GPU event)."""
     per_stream: Counter = Counter()
     for e in events:
@@ -46,6 +63,7 @@ def compute_stream(events: list[dict], min_gap_ms: float = 1.0) -> str:
         if e["ts"] - end > min_gap_ms * 1e3:
             idle, at = (e["ts"] - end) / 1e3, (end - origin) / 1e3
             gaps.append(f"  idle {idle:7.1f} ms from {at:7.1f} ms, then {e['name'][:60]}")
+            gaps.append(f"      {in_gap(events, host, end, e['ts'])}")
         busy += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
         end = max(end, e["ts"] + e["dur"])
     span = end - kernels[0]["ts"]
@@ -58,15 +76,15 @@ def main() -> None:
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
-    events = [gpu_events(p) for p in args.traces]
-    totals = [kernel_seconds(e) for e in events]
+    traces = [trace_events(p) for p in args.traces]
+    totals = [kernel_seconds(gpu) for gpu, _ in traces]
     names = sorted(set().union(*totals), key=lambda n: -max(t[n] for t in totals))
     print("".join(f"{i:>10}" for i in range(len(totals))) + "  kernel (seconds per trace; 0.. = the traces in order)")
     for n in names[: args.top]:
         print("".join(f"{t[n]:>10.4f}" for t in totals) + "  " + n)
     print("".join(f"{sum(t.values()):>10.4f}" for t in totals) + "  all (copies overlap kernels)")
-    for i, e in enumerate(events):
-        print(f"{i}: {compute_stream(e)}")
+    for i, (gpu, host) in enumerate(traces):
+        print(f"{i}: {compute_stream(gpu, host)}")
 
 
 if __name__ == "__main__":
