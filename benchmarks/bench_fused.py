@@ -1,9 +1,12 @@
-"""RMSNorm and rotary embedding, forward + backward (GPU machine): transformers' Llama code against the fused kernels.
+"""RMSNorm, rotary embedding and the SwiGLU MLP's gated activation, forward + backward (GPU machine): transformers'
+Llama code against the fused kernels.
 
 The shapes of a Llama-3.1-8B step of 8 x 4096 tokens under bf16-mixed: the blocks' norms (hidden 4096) on the fp32
 residual stream, Qwen3's per-head query norm (head dim 128, 32 heads) on bf16 projections, the weight in fp32 as the
 engine keeps vectors; the rotary embedding of the bf16 queries (32 heads) and keys (8), heads first as transformers
-views them, with fp32 cos/sin. Median of CUDA-event timings; one row per case and implementation.
+views them, with fp32 cos/sin; the MLP's gated activation of bf16 projections (intermediate 14336; the projections'
+matrix products are the same in both and left out). Median of CUDA-event timings; one row per case and
+implementation.
 
     python benchmarks/bench_fused.py --out benchmarks/results/fused.csv
 """
@@ -19,6 +22,7 @@ import torch
 from transformers.models.llama import modeling_llama
 
 from lightning_slide.fused import use_fused_ops
+from lightning_slide.kernels.swiglu import swiglu
 from results_csv import append_row, environment
 
 
@@ -55,10 +59,23 @@ def rotary_case() -> tuple[torch.nn.Module, Callable[[], None]]:
     return attention, step
 
 
+def swiglu_case() -> tuple[torch.nn.Module, Callable[[], None]]:
+    mlp = modeling_llama.LlamaMLP(modeling_llama.LlamaConfig(hidden_size=64, intermediate_size=128))
+    gate, up = (torch.randn(8 * 4096, 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "gu")
+    dy = torch.randn(gate.shape, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:  # what the MLP's forward computes between its projections, as the switch left its class
+        switched = type(mlp).forward is not modeling_llama.LlamaMLP.forward
+        (swiglu(gate, up) if switched else mlp.act_fn(gate) * up).backward(dy)
+
+    return mlp, step
+
+
 CASES = {
     "blocks' norm, fp32 residual, 8x4096x4096": lambda: norm_case((8, 4096, 4096), torch.float32),
     "query norm per head, bf16, 8x4096x32x128": lambda: norm_case((8, 4096, 32, 128), torch.bfloat16),
     "rotary of queries and keys, bf16, 8x4096x(32+8)x128": rotary_case,
+    "MLP's gated activation (SiLU), bf16, 8x4096x14336": swiglu_case,
 }
 
 

@@ -1,8 +1,9 @@
-"""Hugging Face's RMSNorm modules and rotary embedding switched to the fused kernels for the run.
+"""Hugging Face's RMSNorm modules, rotary embedding and SwiGLU MLPs switched to the fused kernels for the run.
 
-Both switches are guarded by a probe: the model's own code runs on random inputs (fp32 and bf16, on the CPU) and
+Each switch is guarded by a probe: the model's own code runs on random inputs (fp32 and bf16, on the CPU) and
 must give Llama's formula, else it is left alone. A variant that differs (Gemma's ``1 + weight`` norm, an interleaved
-or multimodal rotary) keeps its code: the switch never changes what a model computes, only how many kernels it takes.
+or multimodal rotary, a GELU MLP) keeps its code: the switch never changes what a model computes, only how many
+kernels it takes.
 
 - **RMSNorm** (``kernels/norm.py``): a module whose class is named ``...RMSNorm``, with a 1-D ``weight`` and an
   epsilon (``variance_epsilon`` or ``eps``). Its instance's class is swapped for a subclass whose forward calls the
@@ -11,8 +12,11 @@ or multimodal rotary) keeps its code: the switch never changes what a model comp
   file the model's modules come from (transformers' attention modules call that module-level function). It is
   replaced there by one that sends the inputs the kernel covers to it and anything else (a partial rotary, extra
   arguments) to the original. Other models of the same family in the process get the same numbers.
+- **SwiGLU MLP** (``kernels/swiglu.py``): a module with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` whose
+  forward computes ``down_proj(silu(gate_proj(x)) * up_proj(x))``; its class is swapped for a subclass whose forward
+  takes the gated activation on the kernel (the projections stay the module's own: LoRA layers included).
 
-Both are undone when training ends.
+All are undone when training ends.
 """
 
 from __future__ import annotations
@@ -28,19 +32,21 @@ from torch import Tensor, nn
 
 from .kernels.norm import rms_norm, rms_norm_ref
 from .kernels.rotary import rotary_embedding_ref, rotary_on_kernel, runs_on_kernel
+from .kernels.swiglu import swiglu, swiglu_ref
 
 log = logging.getLogger(__name__)
-_FUSED: dict[type, type] = {}  # an RMSNorm class -> its subclass with the fused forward
+_FUSED: dict[type, type] = {}  # an RMSNorm or MLP class -> its subclass with the fused forward
 _ROTARY = "apply_rotary_pos_emb"
 
 
 def use_fused_ops(model: nn.Module) -> Callable[[], None] | None:
-    """Switch the model's qualifying RMSNorm modules and rotary embeddings to the kernels (module docstring).
+    """Switch the model's qualifying RMSNorm modules, rotary embeddings and MLPs to the kernels (module docstring).
 
     Returns:
         a function that undoes the switch, or ``None`` if nothing qualified.
     """
-    restores = [r for r in (use_fused_rms_norm(model), use_fused_rotary(model)) if r is not None]
+    switches = (use_fused_rms_norm(model), use_fused_rotary(model), use_fused_swiglu(model))
+    restores = [r for r in switches if r is not None]
     if not restores:
         return None
     return lambda: [restore() for restore in restores]
@@ -87,26 +93,80 @@ def _norm_follows_llama(module: nn.Module, eps: float) -> bool:
 
 def use_fused_rms_norm(model: nn.Module) -> Callable[[], None] | None:
     """Swap the class of each RMSNorm module that passes the probe; returns the undo, or ``None``."""
-    verdicts: dict[type, bool] = {}
+
+    def kind(module: nn.Module) -> type | None:
+        weight = getattr(module, "weight", None)
+        if not type(module).__name__.endswith("RMSNorm") or _epsilon(module) is None:
+            return None
+        return type(module) if isinstance(weight, nn.Parameter) and weight.dim() == 1 else None
+
+    return _swap_classes(model, kind, lambda m: _norm_follows_llama(m, _epsilon(m)), _fused_forward, "RMSNorm")
+
+
+def _fused_mlp_forward(self, x: Tensor) -> Tensor:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def _mlp_follows_llama(module: nn.Module) -> bool:
+    """Whether the module's own forward computes ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (fp32 and bf16), on
+    a CPU twin with small projections of its own (the module's may be on the meta device, streamed, or LoRA layers)."""
+    twin = copy.copy(module)
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        shapes = {"gate_proj": (8, 12), "up_proj": (8, 12), "down_proj": (12, 8)}
+        projections = {name: nn.Linear(*shape, bias=False, dtype=dtype) for name, shape in shapes.items()}
+        for linear in projections.values():
+            nn.init.normal_(linear.weight, std=0.5, generator=generator)
+        twin._modules = {**module._modules, **projections}
+        x = (torch.randn(2, 3, 8, generator=generator) * 2).to(dtype)
+        with torch.no_grad():
+            try:
+                theirs = type(module).forward(twin, x)
+            except Exception:  # a forward that wants more than the hidden states
+                return False
+            ours = twin.down_proj(swiglu_ref(twin.gate_proj(x), twin.up_proj(x)))
+            if not _close(theirs, ours, dtype):
+                return False
+    return True
+
+
+def use_fused_swiglu(model: nn.Module) -> Callable[[], None] | None:
+    """Swap the class of each gated MLP that passes the probe (per class and activation); returns the undo, or
+    ``None``."""
+
+    def kind(module: nn.Module) -> tuple[type, type] | None:
+        parts = [getattr(module, name, None) for name in _MLP_PARTS]
+        return (type(module), type(parts[-1])) if all(isinstance(p, nn.Module) for p in parts) else None
+
+    return _swap_classes(model, kind, _mlp_follows_llama, _fused_mlp_forward, "SwiGLU MLP")
+
+
+def _swap_classes(model: nn.Module, kind: Callable, probe: Callable, forward: Callable, name: str):
+    """Swap the class of each module of a ``kind`` (``None``: not a candidate) whose probe passes (run once per kind)
+    for a subclass with ``forward``; returns the undo, or ``None`` if none was swapped."""
+    verdicts: dict = {}
     switched: list[tuple[nn.Module, type]] = []
+    kept: set[str] = set()
     for module in model.modules():
         cls = type(module)
-        weight, eps = getattr(module, "weight", None), _epsilon(module)
-        if not cls.__name__.endswith("RMSNorm") or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        key = kind(module) if cls not in _FUSED.values() else None
+        if key is None:
             continue
-        if eps is None or cls in _FUSED.values():
-            continue
-        if cls not in verdicts:
-            verdicts[cls] = _norm_follows_llama(module, eps)
-        if verdicts[cls]:
-            module.__class__ = _FUSED.setdefault(cls, type(cls.__name__, (cls,), {"forward": _fused_forward}))
+        if key not in verdicts:
+            verdicts[key] = probe(module)
+        if verdicts[key]:
+            module.__class__ = _FUSED.setdefault(cls, type(cls.__name__, (cls,), {"forward": forward}))
             switched.append((module, cls))
-    kept = sorted(cls.__name__ for cls, ok in verdicts.items() if not ok)
+        else:
+            kept.add(cls.__name__)
     if kept:
-        log.info("SlideFormer keeps the forward of %s: not Llama's RMSNorm formula.", ", ".join(kept))
+        log.info("SlideFormer keeps the forward of %s: not Llama's %s formula.", ", ".join(sorted(kept)), name)
     if not switched:
         return None
-    log.info("SlideFormer runs %d RMSNorm modules on the fused kernel.", len(switched))
+    log.info("SlideFormer runs %d %s modules on the fused kernel.", len(switched), name)
 
     def restore() -> None:
         for module, cls in switched:

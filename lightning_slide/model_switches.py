@@ -1,7 +1,7 @@
 """What the strategy switches on the user's model for a run, each with its undo (run at teardown): Hugging Face's
 hub kernels, gradient checkpointing and KV cache off (the engine patches the forwards and recomputes blocks itself),
-the project's attention, the fused RMSNorm and rotary kernels, and the loss computed from the hidden states without
-the full logits."""
+the project's attention, the fused RMSNorm, rotary and SwiGLU kernels, and the loss computed from the hidden states
+without the full logits."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ class SlideFormerStrategy(Processes):
         nvme_masters: with ``"nvme"`` under bf16-mixed, the blocks' fp32 masters on disk too (bf16 copies in RAM).
         attention: Hugging Face models: ``"auto"``: the project's attention in bf16 on CUDA where it covers the
             model; ``"slide"`` requires it; ``"slide_kernel"`` also for dense batches; ``None`` keeps the model's.
-        fused_ops: Llama-style RMSNorm and rotary on the fused kernels: ``"auto"`` on CUDA, ``True``, ``False``.
+        fused_ops: Llama-style RMSNorm, rotary and SwiGLU on the fused kernels: ``"auto"`` on CUDA, ``True``, ``False``.
         placement: ``"auto"``: the whole model on the GPU where it fits, else streamed with what fits kept there;
             ``"stream"`` streams everything.
         device_memory_gib: the device memory the plan may use; ``None``: the GPU's free memory.

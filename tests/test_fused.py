@@ -4,14 +4,15 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.gemma.modeling_gemma import GemmaConfig, GemmaMLP, GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
 
 from helpers import CausalLM, fit, fp32_error, tiny_config, token_data
 from lightning_slide import SlideFormerStrategy, fused
 from lightning_slide.kernels import norm as kernel_module
 from lightning_slide.kernels.norm import rms_norm, rms_norm_ref
 from lightning_slide.kernels.rotary import rotary_embedding, rotary_embedding_ref, rotary_on_kernel
+from lightning_slide.kernels.swiglu import swiglu, swiglu_ref
 
 interpreted = pytest.mark.skipif(
     not kernel_module._INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1"
@@ -86,12 +87,15 @@ def test_training_with_the_fused_ops_equals_plain_lightning(family, monkeypatch)
     norm_widths, rotations = [], []
     monkeypatch.setattr(fused, "rms_norm", lambda *a: norm_widths.append(a[0].shape[-1]) or rms_norm(*a))
     monkeypatch.setattr(fused, "rotary_on_kernel", lambda *a: rotations.append(a[0].shape) or rotary_on_kernel(*a))
+    gates = []
+    monkeypatch.setattr(fused, "swiglu", lambda g, u: gates.append(g.shape) or swiglu(g, u))
     switched = []
 
     class Look(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args):
             norms = sum(type(m).forward is fused._fused_forward for m in pl_module.modules())
-            switched.append((norms, file.apply_rotary_pos_emb is not original))
+            mlps = sum(type(m).forward is fused._fused_mlp_forward for m in pl_module.modules())
+            switched.append((norms, mlps, file.apply_rotary_pos_emb is not original))
 
     module = CausalLM(tiny_config(family))
     data = token_data(n=8, seq=6)  # short rows: the interpreter runs a kernel row by row
@@ -99,10 +103,11 @@ def test_training_with_the_fused_ops_equals_plain_lightning(family, monkeypatch)
     strategy = SlideFormerStrategy(num_slots=2, fused_ops=True)
     ours, trained = fit(module, strategy, steps=2, data=data, callbacks=[Look()])
     norms_per_model = 4 * (2 + 2 * (family == "qwen3")) + 1
-    assert switched == [(norms_per_model, True)] * 2
+    assert switched == [(norms_per_model, 4, True)] * 2
     assert len(set(norm_widths)) == 1 + (family == "qwen3")  # hidden width, and the head width for q_norm/k_norm
     assert len(rotations) >= 2 * 4 * 2  # queries and keys of 4 blocks, 2 steps (and the recomputes)
-    assert not any(type(m).forward is fused._fused_forward for m in trained.modules())
+    assert len(gates) >= 4 * 2
+    assert not any(type(m).forward in (fused._fused_forward, fused._fused_mlp_forward) for m in trained.modules())
     assert file.apply_rotary_pos_emb is original
     err, where = fp32_error(ours, ref, lambda: fit(module, "auto", steps=2, data=data, precision="64-true")[0], 1e-5)
     assert err < 1e-5, f"{where}: {err:.2e}"
@@ -172,6 +177,55 @@ def test_only_llamas_rotary_is_switched_and_a_partial_rotary_takes_the_original(
     assert calls == [{"unsqueeze_dim": 1}]
 
 
+@interpreted
+@pytest.mark.parametrize("shape", [(2, 9, 40), (3, 1100)])  # the second crosses a program's block of elements
+def test_swiglu_kernel_matches_the_formula_forward_and_backward(shape):
+    generator = torch.Generator().manual_seed(2)
+    gate, up, dy = (torch.randn(shape, generator=generator, dtype=torch.float64) * 3 for _ in range(3))
+
+    def run(fn, dtype):
+        g, u = gate.to(dtype).requires_grad_(), up.to(dtype).requires_grad_()
+        y = fn(g, u)
+        y.backward(dy.to(dtype))
+        return y, g.grad, u.grad
+
+    for got, want in zip(run(swiglu, torch.float32), run(swiglu_ref, torch.float64), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _tiny(config_class):
+    return config_class(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2)
+
+
+class ScaledMLP(LlamaMLP):
+    """A gated MLP that differs from Llama's formula (a factor of two): the probe must keep its forward."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_only_swiglu_mlps_are_switched_and_restored():
+    # Gemma's MLP has the same projections with a GELU: the probe tells it apart, as it does a changed forward
+    model = nn.ModuleDict(
+        {
+            "llama": LlamaMLP(_tiny(LlamaConfig)),
+            "gemma": GemmaMLP(_tiny(GemmaConfig)),
+            "scaled": ScaledMLP(_tiny(LlamaConfig)),
+        }
+    )
+    before = {name: type(m) for name, m in model.items()}
+    x = torch.randn(2, 5, 16)
+    expected = model["llama"](x)
+    restore = fused.use_fused_swiglu(model)
+    assert type(model["llama"]).forward is fused._fused_mlp_forward
+    assert {name: type(m) for name, m in model.items() if name != "llama"} == {
+        name: cls for name, cls in before.items() if name != "llama"
+    }
+    torch.testing.assert_close(model["llama"](x), expected)  # off CUDA: the formula, op for op
+    restore()
+    assert {name: type(m) for name, m in model.items()} == before
+
+
 def test_fused_ops_refuses_a_bad_value():
     with pytest.raises(ValueError, match="fused_ops must be True, False or 'auto'"):
         SlideFormerStrategy(fused_ops="yes")
@@ -218,6 +272,26 @@ def test_rotary_kernel_on_cuda_within_twice_the_formulas_error(dtype):
     exact = run(rotary_embedding_ref, x.double())
     ours, plain = run(rotary_embedding, x), run(rotary_embedding_ref, x)
     for name, got, formula, want in zip(("y", "dx"), ours, plain, exact, strict=True):
+        e_ours, e_plain = ((got - want).norm() / want.norm()).item(), ((formula - want).norm() / want.norm()).item()
+        assert e_ours <= 2 * e_plain + 1e-6, f"{name}: {e_ours:.2e} against the formula's {e_plain:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_kernel_on_cuda_within_twice_the_formulas_error(dtype):
+    # the gate and up projections of 4096 tokens of Llama-3.1-8B's MLP (intermediate 14336)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    gate, up = (torch.randn(4096, 14336, device="cuda", generator=generator) * 2 for _ in range(2))
+    dy = torch.randn(4096, 14336, device="cuda", generator=generator)
+
+    def run(fn, dtype):
+        g, u = gate.to(dtype).requires_grad_(), up.to(dtype).requires_grad_()
+        y = fn(g, u)
+        y.backward(dy.to(dtype))
+        return [t.double() for t in (y, g.grad, u.grad)]
+
+    exact = run(swiglu_ref, torch.float64)
+    for name, got, formula, want in zip(("y", "dgate", "dup"), run(swiglu, dtype), run(swiglu_ref, dtype), exact):
         e_ours, e_plain = ((got - want).norm() / want.norm()).item(), ((formula - want).norm() / want.norm()).item()
         assert e_ours <= 2 * e_plain + 1e-6, f"{name}: {e_ours:.2e} against the formula's {e_plain:.2e}"
 
