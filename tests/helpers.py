@@ -203,6 +203,13 @@ def fp32_error(ours: dict, ref: dict, float64_run, tol: float) -> tuple[float, s
     return worst, where
 
 
+def relative_update(a: dict, b: dict, start: dict) -> float:
+    """How far ``a`` is from ``b``, relative to how far ``b`` moved from ``start`` (all tensors together)."""
+    diff = sum(((a[k] - b[k]) ** 2).sum() for k in start) ** 0.5
+    moved = sum(((b[k] - start[k]) ** 2).sum() for k in start) ** 0.5
+    return float(diff / moved.clamp_min(1e-12))
+
+
 def global_error(a: dict, b: dict) -> float:
     return sum(((a[k] - b[k]) ** 2).sum().item() for k in a) ** 0.5
 

@@ -7,7 +7,7 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaConfig, GemmaMLP, GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
 
-from helpers import CausalLM, fit, fp32_error, tiny_config, token_data
+from helpers import CausalLM, fit, relative_update, tiny_config, token_data
 from lightning_slide import SlideFormerStrategy, fused
 from lightning_slide.kernels import norm as kernel_module
 from lightning_slide.kernels.norm import rms_norm, rms_norm_ref
@@ -97,7 +97,11 @@ def test_training_with_the_fused_ops_equals_plain_lightning(family, monkeypatch)
             mlps = sum(type(m).forward is fused._fused_mlp_forward for m in pl_module.modules())
             switched.append((norms, mlps, file.apply_rotary_pos_emb is not original))
 
-    module = CausalLM(tiny_config(family))
+    # SGD: the trained weights carry the kernels' rounding linearly, where Adam's first steps would take the sign of
+    # near-zero gradients (Qwen3's layer-0 gate_proj moved 1e-5 from float64 with these kernels, 6e-7 in plain fp32,
+    # 5e-6 streamed without them, while its gradient was as close to float64 with them: 4.0e-7 against 3.7e-7)
+    module = CausalLM(tiny_config(family), optimizer="sgd", lr=0.1)
+    start = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
     data = token_data(n=8, seq=6)  # short rows: the interpreter runs a kernel row by row
     ref, _ = fit(module, "auto", steps=2, data=data)
     strategy = SlideFormerStrategy(num_slots=2, fused_ops=True)
@@ -109,8 +113,7 @@ def test_training_with_the_fused_ops_equals_plain_lightning(family, monkeypatch)
     assert len(gates) >= 4 * 2
     assert not any(type(m).forward in (fused._fused_forward, fused._fused_mlp_forward) for m in trained.modules())
     assert file.apply_rotary_pos_emb is original
-    err, where = fp32_error(ours, ref, lambda: fit(module, "auto", steps=2, data=data, precision="64-true")[0], 1e-5)
-    assert err < 1e-5, f"{where}: {err:.2e}"
+    assert relative_update(ours, ref, start) < 1e-5  # 3e-7 measured; a 0.1 % error in the gate's gradient gives 8e-5
 
 
 @interpreted

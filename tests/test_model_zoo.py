@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import VOCAB, fit, token_data
+from helpers import VOCAB, fit, relative_update, token_data
 from lightning_slide import BoundaryError, SlideFormerStrategy
 from lightning_slide.fused import use_fused_ops
 from lightning_slide.kernels import norm as norm_kernel
@@ -87,12 +87,6 @@ def _build(family: str) -> ZooLM:
         pytest.skip(f"{family}: cannot be built from a tiny config: {type(err).__name__}: {str(err)[:200]}")
 
 
-def _relative_update(a: dict, b: dict, start: dict) -> float:
-    diff = sum(((a[k] - b[k]) ** 2).sum() for k in start) ** 0.5
-    moved = sum(((b[k] - start[k]) ** 2).sum() for k in start) ** 0.5
-    return float(diff / moved.clamp_min(1e-12))
-
-
 @pytest.mark.parametrize("family", _families())
 def test_family_trains_as_plain_lightning_or_is_refused(family):
     warnings.filterwarnings("ignore")
@@ -109,9 +103,9 @@ def test_family_trains_as_plain_lightning_or_is_refused(family):
     except BoundaryError:
         _assert_refused_before_any_update(module, start)
         return
-    err, rounding = _relative_update(ours, ref, start), 0.0
+    err, rounding = relative_update(ours, ref, start), 0.0
     if err > TOL:  # beside the rounding a second plain run shows
-        rounding = _relative_update(fit(module, "auto", **kwargs)[0], ref, start)
+        rounding = relative_update(fit(module, "auto", **kwargs)[0], ref, start)
     assert err <= TOL + rounding, f"{family}: relative update difference {err:.2e} (plain vs plain: {rounding:.2e})"
 
 
