@@ -24,7 +24,7 @@ from torch import Tensor
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 1024  # elements per program
-_HALF = (torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel reads and writes
 
 
 @triton.jit
@@ -76,7 +76,7 @@ def runs_on_kernel(gate: Tensor, up: Tensor) -> bool:
     interpreted)."""
     if not (gate.is_cuda or _INTERPRET) or gate.device != up.device or gate.numel() == 0:
         return False
-    same = gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in (torch.float32, *_HALF)
+    same = gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _DTYPES
     return same and gate.is_contiguous() and up.is_contiguous()
 
 

@@ -115,8 +115,8 @@ def _mlp_follows_llama(module: nn.Module) -> bool:
     a CPU twin with small projections of its own (the module's may be on the meta device, streamed, or LoRA layers)."""
     twin = copy.copy(module)
     generator = torch.Generator().manual_seed(0)
+    shapes = {"gate_proj": (8, 12), "up_proj": (8, 12), "down_proj": (12, 8)}
     for dtype in (torch.float32, torch.bfloat16):
-        shapes = {"gate_proj": (8, 12), "up_proj": (8, 12), "down_proj": (12, 8)}
         projections = {name: nn.Linear(*shape, bias=False, dtype=dtype) for name, shape in shapes.items()}
         for linear in projections.values():
             nn.init.normal_(linear.weight, std=0.5, generator=generator)
