@@ -112,8 +112,10 @@ def test_the_bf16_kernel_writes_the_next_weights_as_it_updates(clip):
 
     class Spare(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            delay = trainer.strategy.engine.delay
-            trainer.strategy.engine.worker.drain()
+            engine = trainer.strategy.engine
+            delay = engine.delay
+            engine.sender.drain()  # the delayed updates reach the worker from the sender after a write-back
+            engine.worker.drain()
             if delay.filled and trainer.global_step > delay.warmup:
                 checked.append(all(torch.equal(c, p.data.to(c.dtype)) for p, c in delay.spare.items()))
 
@@ -121,6 +123,34 @@ def test_the_bf16_kernel_writes_the_next_weights_as_it_updates(clip):
     fit(module, delayed(3, warmup=2, optimizer_state="bf16"), steps=7, precision="bf16-mixed", gradient_clip_val=clip,
         callbacks=[Spare()])  # fmt: skip
     assert checked == [True] * 5  # steps 2-6, the delayed ones
+
+
+def test_the_embeddings_write_back_reaches_the_worker_before_the_delayed_updates(monkeypatch):
+    # schedule "forward" updates the touched embedding rows on the device and writes them back through landing
+    # buffers that only the worker's write-back tasks return; queued behind the delayed updates, the write-back held
+    # the next backward's start (which waits for it) until those had all run
+    from lightning_slide.engine.worker import CpuWorker
+
+    submitted = []
+    submit = CpuWorker.submit
+
+    def spy(self, fn, *args, after=None):
+        name = getattr(fn, "__name__", "")
+        submitted.append(args[0] if name == "_update" else name)  # an update: its unit's name
+        return submit(self, fn, *args, after=after)
+
+    monkeypatch.setattr(CpuWorker, "submit", spy)
+    fit(CausalLM(tiny_config("llama"), scheduler=False), delayed(4, warmup=2), steps=6, gradient_clip_val=1.0)
+    delayed_steps = submitted[submitted.index("_copy") :]  # from the warmup's end, when the copies are taken
+    # from one step's bulk (as its backward starts) to the next: the step's exact updates, its write-back, its
+    # delayed updates (the blocks'), the next forward
+    steps = "|".join(str(name) for name in delayed_steps).split("bulk")[1:]
+    assert len(steps) == 4  # steps 2-5, the delayed ones
+    for step in steps:
+        before, write_back, after = step.partition("_write_back_rows")
+        assert write_back
+        assert "layers" not in before  # no delayed update ahead of it
+        assert "layers" in after
 
 
 @pytest.mark.gpu

@@ -309,14 +309,17 @@ class EmbeddingRows:
             return self._update_on_device(split, plan, check_finite)
         return self.worker.submit(self._update_rows, split, plan, check_finite)
 
-    def end_step(self) -> None:
-        """The optimizer step is over (after the sender drained)."""
+    def end_step(self) -> bool:
+        """The optimizer step's updates the next forward waits for are queued (after the sender drained); returns
+        whether a write-back followed them."""
         self.touched = None
         self.split = None
         self.sender.routes.pop(self.param, None)
-        if self._write_back_later is not None:  # behind the updates the next forward waits for
-            self.sender.put(partial(self._write_back, *self._write_back_later))
-            self._write_back_later = None
+        if self._write_back_later is None:
+            return False
+        self.sender.put(partial(self._write_back, *self._write_back_later))
+        self._write_back_later = None
+        return True
 
     def _row_state(self, split: RowSplit) -> dict[str, Tensor]:
         """The touched rows of the embedding and of its optimizer state, on the device, for their update there."""

@@ -22,6 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import torch
@@ -33,7 +34,7 @@ from .embedding import EmbeddingRows
 from .grads import GradSender
 from .guard import Guard
 from .optim import CpuOptimizer
-from .rows import Contribution
+from .rows import Contribution, RowSplit
 from .units import Unit
 from .updates import StepPlan, Updates, nonfinite
 from .window import Window
@@ -273,36 +274,54 @@ class Step:
 
     def finish(self) -> None:
         """The step ends: with the "forward" schedule, its updates are queued in forward order. Delayed blocks: their
-        copies swap first and their updates, which write the next ones, are queued last, the last block's first (its
-        next gradient arrives first); the delay starts once the warmup's last update is queued."""
+        copies swap first and their updates, which write the next ones, are queued last, after the embedding's
+        write-back too, the last block's first (its next gradient arrives first); the delay starts once the warmup's
+        last update is queued."""
         plan, self.plan = self.plan, None
         # NOTE: with the "backward" schedule the sender queues each unit's update; the next forward must see them
         # all queued before it waits on them.
         self.sender.drain()
         delay = self.delay
-        delayed = delay is not None and delay.filled
-        order = self._update_order()
-        if delayed:
+        order, late = self._update_order(), []
+        if delay is not None and delay.filled:
             delay.swap()
-            late = set(delay.blocks)
-            order = [u for u in order if u not in late] + [u for u in reversed(order) if u in late]
+            late = [u for u in reversed(order) if u in set(delay.blocks)]
+            order = [u for u in order if u not in late]
         split = self.rows.split if self.rows is not None else None
         if plan.skip:
             self.updates.discard()
-        elif self.schedule == "forward":
-            if split is not None:
-                self.rows.prepare_update()
-            for unit in order:
+        elif self.schedule == "forward" and split is not None:
+            self.rows.prepare_update()
+        self._queue_updates(plan, order, split)
+        # NOTE: the embedding's write-back (sender thread) waits for landing buffers that only its own worker tasks
+        # give back: behind the delayed updates it held the next backward's start until they had all run
+        # (benchmarks/NOTES.md, session 48), so the sender queues them after it
+        if self.rows is not None and self.rows.end_step() and late:
+            self.sender.put(partial(self._finish_late, plan, late))
+        else:
+            self._finish_late(plan, late)
+
+    def _queue_updates(self, plan: StepPlan, units: list[Unit], split: RowSplit | None) -> None:
+        delay = self.delay if self.delay is not None and self.delay.filled else None
+        if plan.skip:
+            return
+        if self.schedule == "forward":
+            for unit in units:
                 touched = split is not None and unit is self.rows.unit
                 self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
                                       run=self.rows.update_touched if touched else None,
-                                      copies=delay.targets(unit) if delayed else None)  # fmt: skip
+                                      copies=delay.targets(unit) if delay is not None else None)  # fmt: skip
         elif self.updates.pending:  # the deferred blocks', and those of a unit that skipped the last micro-batch
-            for unit in order:
+            for unit in units:
                 flagged = unit in self.deferred and self.sender.check_window(unit, plan)  # no CPU pass over them
                 self.updates.schedule(unit, plan, check_finite=not flagged,
-                                      copies=delay.targets(unit) if delayed else None)  # fmt: skip
-        if delayed:
+                                      copies=delay.targets(unit) if delay is not None else None)  # fmt: skip
+
+    def _finish_late(self, plan: StepPlan, late: list[Unit]) -> None:
+        # the delayed blocks' updates and the step's bookkeeping (on the sender thread after a write-back)
+        self._queue_updates(plan, late, None)
+        delay = self.delay
+        if late:
             for unit in delay.blocks:
                 delay.copy_missed(unit, set() if plan.skip else self.updates.updated)
         elif delay is not None and delay.starts_after(plan.step):
@@ -310,5 +329,3 @@ class Step:
         self.sender.window_done()
         plan.finished = True  # every update of the step is queued
         self.updates.updated.clear()
-        if self.rows is not None:
-            self.rows.end_step()
