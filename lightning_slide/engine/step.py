@@ -285,8 +285,9 @@ class Step:
         order, late = self._update_order(), []
         if delay is not None and delay.filled:
             delay.swap()
-            late = [u for u in reversed(order) if u in set(delay.blocks)]
-            order = [u for u in order if u not in late]
+            blocks = set(delay.blocks)
+            late = [u for u in reversed(order) if u in blocks]
+            order = [u for u in order if u not in blocks]
         split = self.rows.split if self.rows is not None else None
         if plan.skip:
             self.updates.discard()
@@ -302,9 +303,9 @@ class Step:
             self._finish_late(plan, late)
 
     def _queue_updates(self, plan: StepPlan, units: list[Unit], split: RowSplit | None) -> None:
-        delay = self.delay if self.delay is not None and self.delay.filled else None
         if plan.skip:
             return
+        delay = self.delay if self.delay is not None and self.delay.filled else None
         if self.schedule == "forward":
             for unit in units:
                 touched = split is not None and unit is self.rows.unit
