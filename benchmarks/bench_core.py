@@ -234,7 +234,8 @@ def run_slideformer(
 
 
 def write_trace(profiler, path: str) -> None:
-    """The profiled step as a gzipped Chrome trace at ``path`` + ".gz"."""
+    """The profiled step as a gzipped Chrome trace at ``path`` + ".gz" (its folder made if missing)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     profiler.export_chrome_trace(path)
     with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
         z.write(f.read())
