@@ -295,8 +295,7 @@ class Step:
             self.rows.prepare_update()
         self._queue_updates(plan, order, split)
         # NOTE: the embedding's write-back (sender thread) waits for landing buffers that only its own worker tasks
-        # give back: behind the delayed updates it held the next backward's start until they had all run
-        # (benchmarks/NOTES.md, session 48), so the sender queues them after it
+        # give back, and the next backward's start waits for it: the sender queues the delayed updates after it
         if self.rows is not None and self.rows.end_step() and late:
             self.sender.put(partial(self._finish_late, plan, late))
         else:
