@@ -385,7 +385,8 @@ def _resident_peaks(run: Run, group: list[Unit]) -> DevicePeaks:
     # a group kept on the device: autocast's copies through the forward, the optimizer's temporaries in the update
     params = list(dict.fromkeys(p for u in group for p in u.params))
     copies = run.dtype.itemsize if run.dtype != torch.float32 else 0
-    cost = plain_training_bytes(params, run.optimizer, copies_itemsize=copies, stored=run.stored)
+    cost = plain_training_bytes(params, run.optimizer, copies_itemsize=copies, stored=run.stored,
+                                bf16_state=run.options.optimizer_state == "bf16")  # fmt: skip
     return DevicePeaks(cost.held + cost.copies, cost.held, cost.held + cost.temporaries)
 
 
@@ -419,11 +420,12 @@ def _resident_candidates(engine: SlideEngine) -> list[list[Unit]]:
 
 
 def _resident_state_bytes(engine: SlideEngine) -> int:
-    # the optimizer state of the trained parameters kept on the device, in fp32
-    if engine.optimizer is None:
+    # the optimizer state of the trained parameters kept on the device, in the state's dtype
+    optimizer = engine.optimizer
+    if optimizer is None:
         return 0
-    trained = sum(p.numel() for p in engine.resident_params if p.requires_grad)
-    return trained * 4 * state_per_fp32(engine.optimizer.optimizer)
+    trained = [p for p in engine.resident_params if p.requires_grad]
+    return sum(p.numel() * optimizer.state_dtype_of(p).itemsize for p in trained) * state_per_fp32(optimizer.optimizer)
 
 
 def _shortfall(engine: SlideEngine, host: HostPlan, machine: Machine) -> Exception | None:

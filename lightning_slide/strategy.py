@@ -69,8 +69,8 @@ class SlideFormerStrategy(Processes):
             ``"auto"`` on CUDA as few as let the rest fit (MLPs tiled where one block at work would not).
         optimizer_offload: Adam's moments in RAM (``"cpu"``) or in files under ``nvme_path`` (``"nvme"``);
             ``"auto"``: RAM unless it is short and ``nvme_path`` is given.
-        optimizer_state: the streamed parameters' Adam moments in ``"fp32"`` or ``"bf16"`` (half the bytes, a faster
-            CPU step; stochastically rounded: ``engine/adam_bf16.py``).
+        optimizer_state: Adam's moments in ``"fp32"`` or ``"bf16"`` (half the bytes, a faster CPU step;
+            stochastically rounded: ``engine/adam_bf16.py``), the units kept on the GPU's too.
         delayed_update: the first blocks' updates one step late, as DeepSpeed's delayed parameter update: the CPU
             updates them while the GPU runs the next step with their weights of before (``engine/delay.py``; the
             plan picks how many). Not exact: opt-in.

@@ -1,7 +1,9 @@
-"""Adam's moments in bf16 (``optimizer_state="bf16"``): the C kernel against its torch reference, the rounding's
-expectation, and training through the engine (RAM and NVMe, checkpoints) against fp32 state and plain Lightning."""
+"""Adam's moments in bf16 (``optimizer_state="bf16"``): the C kernel against its torch reference and its Triton twin,
+the rounding's expectation, and training through the engine (RAM and NVMe, checkpoints) against fp32 state and plain
+Lightning."""
 
 import os
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -41,6 +43,42 @@ def test_the_kernel_rounds_as_its_torch_reference_bit_for_bit(decoupled, amsgrad
             assert torch.equal(_bits(got), _bits(want))
     assert torch.equal(_bits(copy), _bits(p.bfloat16()))
     assert not torch.equal(_bits(p), _bits(g.float()))  # the parameters moved
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("amsgrad", "gathered", "grad_dtype"), [
+    (False, False, torch.float32), (True, False, torch.bfloat16), (False, True, torch.bfloat16),
+    (True, True, torch.float32),
+])  # fmt: skip
+def test_the_triton_twin_gives_the_host_kernels_bits(device, amsgrad, gathered, grad_dtype):
+    # on a GPU (the units kept there, rows updated there) the update is the Triton kernel's: the C kernel's bits; on
+    # the CPU it runs interpreted
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
+    from lightning_slide.kernels.adam_bf16 import adam_bf16 as twin
+
+    generator = torch.Generator().manual_seed(5)
+    rows, width = 301, 37
+    p, g = (torch.randn(rows, width, generator=generator) for _ in range(2))
+    g = g.to(grad_dtype)
+    m = torch.randn(rows, width, generator=generator).bfloat16()
+    v, vmax = (torch.rand(rows, width, generator=generator).bfloat16() for _ in range(2))
+    vmax = vmax if amsgrad else None
+    args = AdamArgs.of(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=not amsgrad,
+                       maximize=amsgrad, step=4, scale=0.61)  # fmt: skip
+    where = dict(rows=torch.randperm(5 * rows, generator=generator)[:rows]) if gathered else dict(index0=777)
+    seed = 0xCAFEF00D  # above 2**31: the kernel's argument is 64-bit, its bits are not
+    host = [t.clone() if t is not None else None for t in (p, g, m, v, vmax)]
+    adam_bf16.step(*host, args, seed, threads=2, **where)
+    ours = [t.to(device, copy=True) if t is not None else None for t in (p, g, m, v, vmax)]
+    if device == "cuda":  # the engine's own entry, which takes the twin for CUDA tensors
+        adam_bf16.step(*ours, args, seed, **where)
+    else:
+        twin(*ours, astuple(args), seed, **where)
+    for got, want in zip(ours[:1] + ours[2:], host[:1] + host[2:]):
+        if want is not None:
+            assert torch.equal(_bits(got.cpu()), _bits(want))
+    assert not torch.equal(_bits(host[0]), _bits(p))  # the parameters moved
 
 
 def test_a_bf16_gradient_read_as_it_is_updates_as_its_fp32_widening():

@@ -252,6 +252,36 @@ def test_a_resume_into_or_out_of_the_gpu_tier_continues_exactly(tmp_path, gpu_ti
     assert err < FP32_TOL, f"{where}: {err:.2e}"
 
 
+def test_the_units_kept_on_the_device_take_bf16_moments_too_and_step_as_streamed(gpu_tier, tmp_path):
+    # optimizer_state="bf16" covers the units the device keeps: bf16 moments there, updated with the host kernel's
+    # arithmetic and random bits, so the run steps as the streamed one and resumes exactly; the plan counts their state
+    # at 2 bytes
+    module = CausalLM(tiny_config("llama"))
+    kwargs = dict(steps=6, gradient_clip_val=0.05)
+    streamed, _ = fit(module, gpu_tier(placement="stream", optimizer_state="bf16"), **kwargs)
+    fp32, _ = fit(module, gpu_tier(), **kwargs)
+    strategy = gpu_tier(optimizer_state="bf16")
+    planned = []  # the kept units' state as the plan counts it (Lightning's teardown brings it to the host after fit)
+    count = L.Callback()
+    count.on_train_start = lambda trainer, _: planned.append(placement._resident_state_bytes(trainer.strategy.engine))
+    ours, trained = fit(module, strategy, callbacks=[count], **kwargs)
+    kept = {p for n, p in trained.named_parameters() if not n.startswith("model.model.layers.1.")}
+    assert _resident(strategy)
+    assert len(kept) < len(list(trained.parameters()))
+    state = trained.trainer.optimizers[0].state
+    assert all(state[p]["exp_avg"].dtype == state[p]["exp_avg_sq"].dtype == torch.bfloat16 for p in kept)
+    far = max_rel_error(fp32, streamed)[0]  # what the moments' dtype changes
+    err, where = max_rel_error(ours, streamed)
+    assert err < 0.1 * far, f"{where}: {err:.2e} against {far:.2e}"
+    assert planned == [4 * sum(p.numel() for p in kept)]  # two bf16 moments
+
+    # saved at the end of the first epoch (4 batches): the resumed run sees the same data
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=4)
+    fit(module, gpu_tier(optimizer_state="bf16"), callbacks=[ckpt], enable_checkpointing=True, **{**kwargs, "steps": 4})
+    resumed, _ = fit(module, gpu_tier(optimizer_state="bf16"), ckpt_path=str(next(tmp_path.glob("*.ckpt"))), **kwargs)
+    assert all(torch.equal(resumed[k], ours[k]) for k in ours)
+
+
 def test_a_nonfinite_gradient_on_the_device_stops_before_any_update(gpu_tier):
     module = NaNIntoEmbedding(tiny_config("llama"))
     with pytest.raises(NonFiniteGradientError, match="optimizer step 3 in 'model.model.embed_tokens.weight'"):

@@ -2,11 +2,12 @@
 
 import lightning as L
 import pytest
+import torch
 
 from helpers import CausalLM, fit, tiny_config
 from lightning_slide import SlideFormerStrategy
 from lightning_slide.engine import EngineConfig
-from lightning_slide.engine.planner import HostPlan, check_host
+from lightning_slide.engine.planner import HostPlan, check_host, plain_training_bytes
 
 
 @pytest.mark.parametrize(
@@ -106,3 +107,14 @@ def test_bf16_state_halves_the_planned_state_in_ram_and_on_disk():
                                state_block_numel=1 << 16).disk for size in (4, 2)}  # fmt: skip
     for size in (4, 2):  # two moments of each tensor, each in whole 4 KiB pages
         assert on_disk[size] == 2 * (1024 * 512 * size + 4096)
+
+
+def test_units_kept_on_the_device_count_bf16_moments_and_no_temporaries_where_the_engine_steps_them():
+    from torch import nn
+
+    layer = nn.Linear(8, 4)  # 36 fp32 parameters
+    optimizer = torch.optim.AdamW(layer.parameters())
+    fp32 = plain_training_bytes(list(layer.parameters()), optimizer, copies_itemsize=2)
+    bf16 = plain_training_bytes(list(layer.parameters()), optimizer, copies_itemsize=2, bf16_state=True)
+    assert (fp32.held, fp32.copies, fp32.temporaries) == (36 * (4 + 4 + 8), 32 * 2, 36 * 4)  # torch's foreach AdamW
+    assert (bf16.held, bf16.copies, bf16.temporaries) == (36 * (4 + 4 + 4), 32 * 2, 0)  # the Triton update in place

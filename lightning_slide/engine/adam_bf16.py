@@ -1,6 +1,7 @@
 """Adam's moments in bf16 (``optimizer_state="bf16"``): the CPU kernel of ``adam_bf16.c``, built once with the
-machine's C compiler (its threads from torch's OpenMP runtime) and called through ctypes, and ``adam_bf16_ref``, the
-same arithmetic in torch ops (the reference of the tests, and the path of rows updated on the GPU).
+machine's C compiler (its threads from torch's OpenMP runtime) and called through ctypes, on CUDA tensors its Triton
+twin (``kernels/adam_bf16.py``: the units kept on the GPU, rows updated there), and ``adam_bf16_ref``, the same
+arithmetic in torch ops (the tests' reference).
 
 Half the bytes of fp32 moments in RAM and on disk, and 20 instead of 28 bytes of memory traffic per parameter and update
 (the CPU step is memory-bound); 18 where the gradient comes in bf16, as a bf16 matmul gives it. The moments are stored
@@ -59,18 +60,28 @@ class AdamArgs:
 def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: AdamArgs, seed: int, *, index0: int = 0,
          rows: Tensor | None = None, threads: int = 1, copy: Tensor | None = None) -> None:  # fmt: skip
     """Update the contiguous fp32 ``p`` with the gradient ``g`` (fp32, or bf16 read as it is) and the bf16 moments
-    ``m``, ``v`` (``vmax``: amsgrad's running maximum) in place, on up to ``threads`` threads. The rounding's random
-    bits come from ``seed`` and each element's index in its whole parameter: ``p`` is the part that starts at element
-    ``index0``, or (``rows``, int64) those leading rows of it, gathered. ``copy`` (bf16): receives the updated ``p``,
-    as ``p.bfloat16()``."""
+    ``m``, ``v`` (``vmax``: amsgrad's running maximum) in place, on up to ``threads`` threads (on CUDA: the Triton
+    kernel of ``kernels/adam_bf16.py``, the same bits). The rounding's random bits come from ``seed`` and each
+    element's index in its whole parameter: ``p`` is the part that starts at element ``index0``, or (``rows``, int64)
+    those leading rows of it, gathered. ``copy`` (bf16, on the CPU): receives the updated ``p``, as ``p.bfloat16()``."""
     n = p.numel()
     tensors = (p, g, m, v) + tuple(t for t in (vmax, copy) if t is not None)
-    if not all(t.is_contiguous() and t.device.type == "cpu" and t.numel() == n for t in tensors):
-        raise ValueError("adam_bf16.step takes contiguous CPU tensors of one size.")
+    device = p.device.type
+    if not (device in ("cpu", "cuda") and all(t.is_contiguous() and t.device == p.device and t.numel() == n
+                                              for t in tensors)):  # fmt: skip
+        raise ValueError("adam_bf16.step takes contiguous tensors of one size on one CPU or CUDA device.")
     if g.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"adam_bf16.step takes an fp32 or bf16 gradient; got {g.dtype}.")
     bf16_grad = int(g.dtype == torch.bfloat16)
     if n == 0:
+        return
+    if device == "cuda":
+        if copy is not None:
+            raise ValueError("adam_bf16.step writes copies on the CPU only.")
+        from ..kernels.adam_bf16 import adam_bf16  # Triton: imported where a GPU needs it
+
+        rows = rows.to(p.device, torch.int64).contiguous() if rows is not None else None
+        adam_bf16(p, g, m, v, vmax, astuple(args), seed, index0=index0, rows=rows)
         return
     arrays = [t.data_ptr() for t in (p, g, m, v)] + [t.data_ptr() if t is not None else None for t in (vmax, copy)]
     scalars = (*astuple(args), seed & 0xFFFFFFFF)

@@ -244,7 +244,7 @@ class CpuOptimizer:
         """Apply the update to rows ``index`` (int64, on the host) gathered from :meth:`state_like` (same keys), in
         place, after :meth:`begin`.
 
-        The rows may be on the device: the same fused kernel (bf16 moments: ``adam_bf16_ref``) then runs there (the step
+        The rows may be on the device: the same fused kernel (bf16 moments: its Triton twin) then runs there (the step
         count and ``grad_scale`` go with them)."""
         device = grad.device
         if grad_scale is not None:
@@ -256,12 +256,8 @@ class CpuOptimizer:
         step = self.optimizer.state[param]["step"]
         if _bf16_moments(rows, param):
             args, seed = self._bf16_args(param, step, hypers, grad_scale)
-            if device.type == "cpu":
-                adam_bf16.step(rows["param"], grad, rows["exp_avg"], rows["exp_avg_sq"], rows.get("max_exp_avg_sq"),
-                               args, seed, rows=index, threads=torch.get_num_threads())  # fmt: skip
-            else:
-                adam_bf16.adam_bf16_ref(rows["param"], grad, rows["exp_avg"], rows["exp_avg_sq"],
-                                        rows.get("max_exp_avg_sq"), args, seed, rows=index)  # fmt: skip
+            adam_bf16.step(rows["param"], grad, rows["exp_avg"], rows["exp_avg_sq"], rows.get("max_exp_avg_sq"), args,
+                           seed, rows=index, threads=torch.get_num_threads())  # fmt: skip
             return
         self._fused_adam([rows["param"]], [grad], [rows], [step.to(device)], hypers, grad_scale)
 

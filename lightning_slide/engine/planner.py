@@ -264,11 +264,13 @@ def plain_training_bytes(
     *,
     copies_itemsize: int,
     stored: dict[nn.Parameter, int] | None = None,
+    bf16_state: bool = False,
 ) -> TrainingBytes:
     """Device bytes of ``params`` trained on the device (activations apart): each parameter as stored, the
     compute-dtype copies autocast makes of the wider matrices (``copies_itemsize``; 0 under fp32), and for each
     trainable one its gradient, the optimizer's state and, unless the optimizer is fused, as much again as the
-    gradients for the step's temporaries (torch's foreach implementations)."""
+    gradients for the step's temporaries (torch's foreach implementations). ``bf16_state``: the engine steps the fp32
+    ones (``optimizer_state="bf16"``): bf16 moments, updated in place."""
     sizes = stored or {}
     weights = sum(p.numel() * sizes.get(p, p.element_size()) for p in params)
     copies = sum(
@@ -277,9 +279,13 @@ def plain_training_bytes(
     if optimizer is None:
         return TrainingBytes(weights, copies, 0)
     trainable = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad} & set(params)
-    grads = sum(p.numel() * sizes.get(p, p.element_size()) for p in trainable)
+    stored_size = {p: sizes.get(p, p.element_size()) for p in trainable}
+    engine_stepped = {p for p in trainable if bf16_state and stored_size[p] == 4}
+    grads = sum(p.numel() * stored_size[p] for p in trainable)
+    state = sum(p.numel() * (2 if p in engine_stepped else stored_size[p]) for p in trainable)
     fused = all(g.get("fused") for g in optimizer.param_groups)
-    return TrainingBytes(weights + grads * (1 + state_per_fp32(optimizer)), copies, 0 if fused else grads)
+    temporaries = 0 if fused else sum(p.numel() * stored_size[p] for p in trainable - engine_stepped)
+    return TrainingBytes(weights + grads + state * state_per_fp32(optimizer), copies, temporaries)
 
 
 def usable_device_bytes(budget: int) -> int:

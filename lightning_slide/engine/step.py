@@ -7,7 +7,8 @@
                                   (Step.after_backward)
       Step.grads_ready            ("forward": every gradient is on the host, shown as param.grad)
       hooks, Step.clip            (the global norm sets the clipping coefficient)
-      Step.grads_taken            (param.grad hidden again: the optimizer's own update finds none)
+      Step.grads_taken            (param.grad hidden again: the optimizer's own update finds none; with bf16
+                                  moments, the parameters kept on the device are updated here, on the device)
       user's optimizer.step()     its post-hook, Step.finish: "forward" queues the updates in forward order (and
                                   "backward" those of its deferred blocks); with delayed blocks, their copies are
                                   taken first and their updates queued last (``delay.py``)
@@ -85,7 +86,8 @@ class Step:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
         self.delay = delay
         self.deferred = set(deferred)
-        self.resident = resident  # on the device: autograd leaves their gradients, the user's optimizer steps them
+        # on the device: autograd leaves their gradients, the user's optimizer steps them (bf16 moments: this step)
+        self.resident = resident
         self._resident_set = set(resident)
         self.world = world  # several processes: the streamed units' gradients arrive averaged, the resident ones here
         self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
@@ -198,6 +200,8 @@ class Step:
             for p in self.updates.pending:
                 p.grad = None
         self._check_resident()
+        if self.optimizer.state_dtype == torch.bfloat16:
+            self._update_resident()
         stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]
                  if p.grad is not None and p not in self._resident_set]  # fmt: skip
         if stray:
@@ -264,6 +268,22 @@ class Step:
             with contextlib.suppress(BaseException):  # the updates in flight: what the error names is complete
                 self.worker.drain()
             raise nonfinite(self.plan, self._names.get(bad, "a parameter"))
+
+    def _update_resident(self) -> None:
+        # bf16 moments for the fp32 parameters kept on the device too: the host kernel's arithmetic (its Triton twin on
+        # a GPU), after clipping; the user's optimizer then finds no gradient of theirs
+        groups: dict[int, list[nn.Parameter]] = {}
+        for p in self.resident:
+            if p.grad is not None and p.dtype == torch.float32 and (g := self.optimizer.group_index(p)) is not None:
+                groups.setdefault(g, []).append(p)
+        for g, params in groups.items():
+            hypers = self.plan.hypers[g]
+            for p in params:
+                self.optimizer.begin(p, hypers)
+            self.optimizer.update(params, [p.grad for p in params], hypers)
+            for p in params:
+                self.optimizer.end(p)
+                p.grad = None
 
     def _update_order_params(self) -> list[nn.Parameter]:
         return [p for u in self._update_order() for p in u.owned()]
