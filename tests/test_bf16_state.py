@@ -81,6 +81,27 @@ def test_the_triton_twin_gives_the_host_kernels_bits(device, amsgrad, gathered, 
     assert not torch.equal(_bits(host[0]), _bits(p))  # the parameters moved
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_the_copy_may_take_the_gradients_place(amsgrad):
+    # a delayed block's next weights are written where its bf16 gradient was read (delay.py): the same update, and the
+    # gradient's buffer then holds the copy
+    generator = torch.Generator().manual_seed(9)
+    p, g = torch.randn(70_001, generator=generator), torch.randn(70_001, generator=generator).bfloat16()
+    m, v, vmax = (torch.rand(70_001, generator=generator).bfloat16() for _ in range(3))
+    vmax = vmax if amsgrad else None
+    args = AdamArgs.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False,
+                       step=2, scale=0.8)  # fmt: skip
+    apart = [t.clone() if t is not None else None for t in (p, g, m, v, vmax)]
+    copy = torch.empty_like(g)
+    adam_bf16.step(*apart, args, 5, threads=3, copy=copy)
+    adam_bf16.step(p, g, m, v, vmax, args, 5, threads=3, copy=g)
+    for got, want in zip((p, m, v, vmax, g), (*apart[:1], *apart[2:], copy)):
+        if want is not None:
+            assert torch.equal(_bits(got), _bits(want))
+    with pytest.raises(ValueError, match="into the gradient's place only for a whole bf16 gradient"):
+        adam_bf16.step(p, g, m, v, None, args, 5, copy=g, rows=torch.arange(70_001))
+
+
 def test_a_bf16_gradient_read_as_it_is_updates_as_its_fp32_widening():
     # the engine sends a bf16 matmul's weight gradient in bf16 where the kernel updates it: exact, as widened first
     generator = torch.Generator().manual_seed(3)

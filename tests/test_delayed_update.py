@@ -125,6 +125,48 @@ def test_the_bf16_kernel_writes_the_next_weights_as_it_updates(clip):
     assert checked == [True] * 5  # steps 2-6, the delayed ones
 
 
+@pytest.mark.parametrize(("clip", "accelerator"), [
+    (None, "cpu"), (1.0, "cpu"), pytest.param(1.0, "gpu", marks=pytest.mark.gpu),
+])  # fmt: skip
+def test_bf16_gradients_of_delayed_blocks_wait_in_their_copies_and_train_as_in_buffers_of_their_own(
+    monkeypatch, clip, accelerator
+):
+    # optimizer_state="bf16" under bf16-mixed holds the matrices' gradients in bf16: a delayed block's lands in the
+    # live copy its step computed with, and the update writes the next weights over it (delay.py); the same training,
+    # bit for bit, as gradients held apart, and one buffer per parameter less in the plan
+    import lightning as L
+
+    from lightning_slide.engine.engine import SlideEngine
+
+    lent = []
+
+    class Lent(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            engine = trainer.strategy.engine
+            live, host = engine.delay.live, engine.updates.host
+            lent.append([n for n, p in trainer.lightning_module.named_parameters() if p in live and host[p] is live[p]])
+
+    def run():
+        strategy = SlideFormerStrategy(placement="stream", num_slots=2, delayed_update=True, delay_warmup=2,
+                                       optimizer_state="bf16", engine=EngineConfig(delayed_blocks=1))  # fmt: skip
+        state, _ = fit(module, strategy, steps=6, precision="bf16-mixed", gradient_clip_val=clip, callbacks=[Lent()],
+                       accelerator=accelerator)  # fmt: skip
+        return state, strategy.plan.host.retained_grads
+
+    module = Stepping(tiny_config("llama"), scheduler=False)
+    in_copies, retained = run()
+    matrices = [n for n, p in module.named_parameters() if n.startswith("model.model.layers.0.") and p.dim() == 2]
+    assert len(matrices) == 7
+    assert lent == [matrices] * 6  # block 0's matrices, every step (its norms' fp32 gradients apart)
+    lent.clear()
+    monkeypatch.setattr(SlideEngine, "_grads_in_copies", lambda self: set())
+    apart, retained_apart = run()
+    assert lent == [[]] * 6
+    assert all(torch.equal(in_copies[k], apart[k]) for k in apart)
+    block = dict(module.named_parameters())
+    assert retained_apart - retained == sum(2 * block[n].numel() for n in matrices)
+
+
 def test_the_embeddings_write_back_reaches_the_worker_before_the_delayed_updates(monkeypatch):
     # schedule "forward" updates the touched embedding rows on the device and writes them back through landing
     # buffers that only the worker's write-back tasks return; queued behind the delayed updates, the write-back held
@@ -162,20 +204,23 @@ def test_on_cuda_delayed_blocks_follow_the_delayed_rule(clip):
     assert relative(got, reference(module, steps=7, blocks=0, warmup=2, clip=clip)) > 1e-4
 
 
-def test_a_checkpoint_holds_the_delayed_weights_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize(("precision", "state"), [("32-true", "fp32"), ("bf16-mixed", "bf16")])
+def test_a_checkpoint_holds_the_delayed_weights_and_resumes_exactly(tmp_path, precision, state):
+    # bf16 moments under bf16-mixed: the matrices' gradients wait in the copies (delay.py), the resume too
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     module = CausalLM(tiny_config("llama"), scheduler=False)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
-    whole, _ = fit(module, delayed(2), steps=8, enable_checkpointing=True, callbacks=[saver])
+    kwargs = dict(steps=8, precision=precision, gradient_clip_val=1.0)
+    whole, _ = fit(module, delayed(2, optimizer_state=state), enable_checkpointing=True, callbacks=[saver], **kwargs)
     checkpoint = next(tmp_path.glob("*step=4.ckpt"))
     saved = torch.load(checkpoint, weights_only=True)["optimizer_states"][0]["state"]
     assert sum("delayed_weight" in s for s in saved.values()) == 2 * 9  # two blocks of nine trained tensors
-    resumed, _ = fit(module, delayed(2), steps=8, ckpt_path=str(checkpoint))
+    resumed, _ = fit(module, delayed(2, optimizer_state=state), ckpt_path=str(checkpoint), **kwargs)
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
     # a run that delays no block resumes from it too (the copies are dropped), as does plain Lightning
-    fit(module, SlideFormerStrategy(placement="stream"), steps=8, ckpt_path=str(checkpoint))
-    fit(module, "auto", steps=8, ckpt_path=str(checkpoint))
+    fit(module, SlideFormerStrategy(placement="stream", optimizer_state=state), ckpt_path=str(checkpoint), **kwargs)
+    fit(module, "auto", ckpt_path=str(checkpoint), **kwargs)
 
 
 def test_the_plan_counts_the_copies_and_names_the_delayed_blocks():

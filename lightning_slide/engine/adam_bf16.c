@@ -10,7 +10,9 @@
 // The random bits of an element depend on its index in its whole parameter, not on how the parameter was cut (a row
 // range, or rows gathered from anywhere). Where given, ``copy`` receives the updated parameter in bf16, rounded to
 // nearest even as torch's casts round (a delayed block's weights of the next step, engine/delay.py): two bytes written
-// in the same pass instead of a second pass over the parameter. Built by adam_bf16.py with -O3: the loops vectorize.
+// in the same pass instead of a second pass over the parameter. ``copy`` may be the bf16 gradient itself: each element
+// is then written where its gradient was read, through the gradient's pointer (the delayed block's next weights take
+// its gradient's place). Built by adam_bf16.py with -O3: the loops vectorize.
 
 #include <math.h>
 #include <stdint.h>
@@ -52,9 +54,10 @@ static inline uint32_t mix(uint32_t x) {  // MurmurHash3's 32-bit finalizer
 // index ``at`` among the arrays, ``index`` in its whole parameter. The constants come computed (adam_bf16.py), so
 // that this code and its torch reference round the same values: sign (the gradient's factor: 1 / grad_scale, negated
 // to maximize), keep (AdamW's 1 - lr * weight_decay, else 1), l2 (Adam's weight_decay, else 0), b1c = 1 - beta1,
-// b2c = 1 - beta2, step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t). ``amsgrad``, ``copies``
-// and ``bf16_grad`` are constants where it is inlined: each loop vectorizes.
-#define ARRAYS float *restrict p, const void *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
+// b2c = 1 - beta2, step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t). ``copies``: 0 none, 1
+// into ``copy``, 2 into the (bf16) gradient. ``amsgrad``, ``copies`` and ``bf16_grad`` are constants where it is
+// inlined: each loop vectorizes.
+#define ARRAYS float *restrict p, void *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
                uint16_t *restrict vmax, uint16_t *restrict copy
 #define SCALARS float sign, float keep, float l2, float b1c, float beta2, float b2c, float eps, float step_size, \
                 float inv_bias2_sqrt, uint32_t seed
@@ -78,7 +81,8 @@ static inline void update(int64_t at, int64_t index, const int amsgrad, const in
     }
     float updated = param - step_size * mi / (sqrtf(second) * inv_bias2_sqrt + eps);
     p[at] = updated;
-    if (copies) copy[at] = nearest(updated);
+    if (copies == 1) copy[at] = nearest(updated);
+    if (copies == 2) ((uint16_t *)g)[at] = nearest(updated);
     m[at] = narrow(mi, bits);
     v[at] = narrow(vi, bits >> 16);
 }
@@ -99,17 +103,25 @@ static inline void update(int64_t at, int64_t index, const int amsgrad, const in
     } while (0)
 
 void adam_bf16(int64_t n, int64_t index0, int threads, int bf16_grad, ARRAYS, SCALARS) {
-    if (vmax && copy)
-        LOOPS(1, 1);
-    else if (vmax)
-        LOOPS(1, 0);
-    else if (copy)
-        LOOPS(0, 1);
-    else
-        LOOPS(0, 0);
+    int copies = copy == NULL ? 0 : copy == (uint16_t *)g ? 2 : 1;
+    if (vmax) {
+        if (copies == 2)
+            LOOPS(1, 2);
+        else if (copies)
+            LOOPS(1, 1);
+        else
+            LOOPS(1, 0);
+    } else {
+        if (copies == 2)
+            LOOPS(0, 2);
+        else if (copies)
+            LOOPS(0, 1);
+        else
+            LOOPS(0, 0);
+    }
 }
 
-// ``count`` rows of ``width`` elements gathered from a parameter's rows ``rows``
+// ``count`` rows of ``width`` elements gathered from a parameter's rows ``rows``; ``copy`` not the gradient
 void adam_bf16_rows(int64_t count, int64_t width, const int64_t *restrict rows, int threads, int bf16_grad, ARRAYS,
                     SCALARS) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (count * width >= MIN_PARALLEL)

@@ -63,7 +63,8 @@ def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: 
     ``m``, ``v`` (``vmax``: amsgrad's running maximum) in place, on up to ``threads`` threads (on CUDA: the Triton
     kernel of ``kernels/adam_bf16.py``, the same bits). The rounding's random bits come from ``seed`` and each
     element's index in its whole parameter: ``p`` is the part that starts at element ``index0``, or (``rows``, int64)
-    those leading rows of it, gathered. ``copy`` (bf16, on the CPU): receives the updated ``p``, as ``p.bfloat16()``."""
+    those leading rows of it, gathered. ``copy`` (bf16, on the CPU): receives the updated ``p``, as ``p.bfloat16()``;
+    it may be ``g`` itself (bf16, whole): each value then takes its gradient's place."""
     n = p.numel()
     tensors = (p, g, m, v) + tuple(t for t in (vmax, copy) if t is not None)
     device = p.device.type
@@ -73,6 +74,8 @@ def step(p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, args: 
     if g.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"adam_bf16.step takes an fp32 or bf16 gradient; got {g.dtype}.")
     bf16_grad = int(g.dtype == torch.bfloat16)
+    if copy is not None and copy.data_ptr() == g.data_ptr() and not (bf16_grad and rows is None):
+        raise ValueError("adam_bf16.step writes the copy into the gradient's place only for a whole bf16 gradient.")
     if n == 0:
         return
     if device == "cuda":

@@ -14,6 +14,11 @@ writes the masters (the bf16 kernel rounds each value as it stores it: no second
 ends, the sets swap, and the delayed blocks' updates are queued after everything else of the step: their next forward
 waits only for the update of the step before, so the updates overlap the whole next step. The first ``warmup`` steps
 are exact (no copies yet); so is the step after a resume from a checkpoint that holds none.
+
+A bf16 gradient held for its update (``in_place``) needs no buffer of its own: it lands in the live copy once the
+step's last upload has read it (the block's backward, which the gradient comes from, waited for that upload), and the
+update writes the next weights where it reads the gradient. After the swap that set is the spare one; the other, live,
+takes the next gradient. Two buffers per parameter instead of three.
 """
 
 from __future__ import annotations
@@ -39,15 +44,18 @@ class DelayedBlocks:
         worker: the CPU worker (the updates that write the copies, in its order).
         warmup: the optimizer steps run exactly before the delay starts.
         trained: the parameters the optimizer updates (frozen ones are read from their masters).
+        in_place: trained parameters whose gradients are held in bf16 in the live copies (module docstring).
     """
 
     def __init__(
-        self, blocks: list[Unit], transfer: Transfer, worker: CpuWorker, warmup: int, trained: set[nn.Parameter]
-    ) -> None:
+        self, blocks: list[Unit], transfer: Transfer, worker: CpuWorker, warmup: int, trained: set[nn.Parameter],
+        in_place: set[nn.Parameter] = frozenset(),
+    ) -> None:  # fmt: skip
         self.blocks = blocks
         self.transfer, self.worker, self.warmup = transfer, worker, warmup
         params = [(p, dtype) for u in blocks for p, dtype in zip(u.params, u.dtypes) if p in trained]
         self.live, self.spare = ({p: transfer.host_empty(p.numel(), d).view(p.shape) for p, d in params} for _ in "ab")
+        self.in_place = {p for p in in_place if p in self.live and self.live[p].dtype == torch.bfloat16}
         self.done: dict[Unit, Future | None] = dict.fromkeys(blocks)  # what the live set waits for
         self.version = dict.fromkeys(blocks, 0)
         self.filled = False  # the live set holds the weights of the next step
@@ -82,8 +90,13 @@ class DelayedBlocks:
         self.worker.submit(_copy, [], after=self._uploaded())
 
     def targets(self, unit: Unit) -> dict[nn.Parameter, Tensor]:
-        """Where ``unit``'s update writes the next weights (the spare set)."""
+        """Where ``unit``'s update writes the next weights (the spare set); an ``in_place`` parameter's gradient is
+        there too."""
         return {p: self.spare[p] for p in unit.params if p in self.spare}
+
+    def grad_buffers(self) -> dict[nn.Parameter, Tensor]:
+        """Where the ``in_place`` parameters' next gradients land: their live copies."""
+        return {p: self.live[p] for p in self.in_place}
 
     def copy_missed(self, unit: Unit, updated: set[nn.Parameter]) -> None:
         """Copy into the spare set the masters of ``unit``'s parameters this step did not update (a skipped step, a
@@ -125,7 +138,7 @@ class DelayedBlocks:
 
 
 def copy_bytes(blocks: list[Unit], trained: set[nn.Parameter]) -> int:
-    """Host bytes of the two sets of copies of ``blocks``' trained weights."""
+    """Host bytes of the two sets of copies of ``blocks``' trained weights (``in_place`` gradients inside them)."""
     return 2 * sum(p.numel() * d.itemsize for u in blocks for p, d in zip(u.params, u.dtypes) if p in trained)
 
 

@@ -223,7 +223,7 @@ class SlideEngine:
         return plan_host(
             owned,
             self.optimizer.optimizer if self.optimizer is not None else None,
-            retained={p for u in self._retained_units() for p in u.owned()},
+            retained={p for u in self._retained_units() for p in u.owned()} - self._grads_in_copies(),
             compact_grads=self.compact_grads(),
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
@@ -258,6 +258,11 @@ class SlideEngine:
             p for u in self._retained_units() for p, o, dtype in zip(u.params, u.owner, u.dtypes)
             if o is u and dtype == self.compute_dtype and p not in self._shared
         }  # fmt: skip
+
+    def _grads_in_copies(self) -> set[nn.Parameter]:
+        # the delayed blocks' bf16 gradients, held in their copies (delay.py)
+        trained = self.streamed_trainable() if self.delayed else set()
+        return {p for u in self.delayed for p in u.owned() if p in trained} & self.compact_grads()
 
     def _retained_units(self) -> list[Unit]:
         # the units whose gradients wait on the host for their update (all, where any must)
@@ -321,8 +326,11 @@ class SlideEngine:
         elif self.transfer.is_cuda:
             for unit in self.units:
                 self.transfer.pin(unit.owned())
-        self.delay = DelayedBlocks(self.delayed, self.transfer, self.worker, self._delay_warmup,
-                                   self.streamed_trainable()) if self.delayed else None  # fmt: skip
+        self.delay = None
+        if self.delayed:
+            self.delay = DelayedBlocks(self.delayed, self.transfer, self.worker, self._delay_warmup,
+                                       self.streamed_trainable(), self._grads_in_copies())  # fmt: skip
+            self.updates.lend(self.delay.grad_buffers())
         self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots, self.delay)
         self.state_io.delay = delay = self.delay
         if self.embedding is not None:

@@ -115,6 +115,7 @@ class Updates:
         self.retain = retain
         self.compact = set(compact) if retain else set()
         self.host: dict[nn.Parameter, Tensor] = {}  # retained gradients (views into one buffer per owner unit)
+        self.lent: set[nn.Parameter] = set()  # ... in buffers lent by the delayed blocks (lend)
         self.fresh: dict[nn.Parameter, bool] = {}  # retained buffer holds nothing of this window yet
         self.pending: set[nn.Parameter] = set()  # parameters with gradients in this window
         self.recent: deque[StepPlan] = deque(maxlen=2)  # the steps whose updates may still run (one overlaps the next)
@@ -147,6 +148,7 @@ class Updates:
         """Drop the retained gradients' host buffers (training is over)."""
         self.host.clear()
         self.fresh.clear()
+        self.lent.clear()
         self._widening = None
 
     def own_rows(self, param: nn.Parameter) -> slice | None:
@@ -190,9 +192,22 @@ class Updates:
                 self.fresh[p] = True
                 offset += p.numel()
 
+    def lend(self, buffers: dict[nn.Parameter, Tensor]) -> None:
+        """These parameters' next gradients land in the given bf16 buffers (a delayed block's live copies,
+        ``delay.py``), not in buffers of their own."""
+        self.host.update(buffers)
+        self.fresh.update(dict.fromkeys(buffers, True))
+        self.lent.update(buffers)
+
     def widen(self, param: nn.Parameter, *, keep: bool) -> None:
         """A compact gradient becomes fp32 for good: a second contribution in the window (``keep``: the worker copies
         the first one over, after the copies queued before) or one not in bf16."""
+        if param in self.lent:
+            raise RuntimeError(
+                "A delayed block's weight received a second gradient in one step (a block that runs twice), but its"
+                " gradient is held in the copy of its weights that this step computes with. Train with"
+                " SlideFormerStrategy(engine=EngineConfig(compact_retained_grads=False)), or without delayed_update."
+            )
         compact = self.host[param]
         self.host[param] = wide = self.transfer.host_empty(param.numel()).view(param.shape)
         self.compact.discard(param)
@@ -210,6 +225,7 @@ class Updates:
         streamed: Collection[nn.Parameter] = (),
         run: Callable[[StepPlan, bool], Future] | None = None,
         copies: dict[nn.Parameter, Tensor] | None = None,
+        in_copies: set[nn.Parameter] = frozenset(),
     ) -> None:
         """Queue the update of ``owner``'s parameters that have gradients in this window (main thread).
 
@@ -218,6 +234,7 @@ class Updates:
             streamed: parameters whose chunks already carry the update; only the bookkeeping is left for them.
             run: queues the update itself and returns its future (the split embedding's touched rows).
             copies: tensors that receive updated parameters' values (a delayed block's next weights, ``delay.py``).
+            in_copies: parameters whose gradients are their copies' values (lent buffers, swapped since they landed).
         """
         params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p in self.pending]
         if not params:
@@ -239,7 +256,8 @@ class Updates:
             owner.update_done = run(plan, check_finite)
         else:
             self.optimizer.prefetch(rest)
-            owner.update_done = self.worker.submit(self._update, owner.name, rest, plan, check_finite, copies or {})
+            held = {p: copies[p] if p in in_copies else self.held(p) for p in rest}  # read now: a lent one moves
+            owner.update_done = self.worker.submit(self._update, owner.name, held, plan, check_finite, copies or {})
         if self.shared is not None:  # the unit's weights are whole once every process has updated its rows
             owner.update_done = self.worker.submit(self.shared.barrier)
 
@@ -320,12 +338,12 @@ class Updates:
             self.transfer.give_landing(landing)
 
     def _update(
-        self, name: str, params: list[nn.Parameter], plan: StepPlan, check_finite: bool,
+        self, name: str, held: dict[nn.Parameter, Tensor], plan: StepPlan, check_finite: bool,
         copies: dict[nn.Parameter, Tensor],
     ) -> None:  # fmt: skip
-        params = [p for p in params if p.dim() or self.own_rows(p) is None]  # not the scalars of other processes
+        params = [p for p in held if p.dim() or self.own_rows(p) is None]  # not the scalars of other processes
         rows = [self.own_rows(p) for p in params]
-        grads = [self.held(p) for p in params]
+        grads = [held[p] for p in params]
         if check_finite:
             norms = [n.float() for n in torch._foreach_norm(grads, 2.0)]
             finite = bool(torch.isfinite(torch.linalg.vector_norm(torch.stack(norms), 2.0))) if norms else True
