@@ -18,22 +18,26 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
+def _update_inputs(seed: int, rows: int, width: int, grad_dtype: torch.dtype, amsgrad: bool, gathered: bool):
+    # a parameter, its gradient, its bf16 moments (and amsgrad's maximum), and where it lies in its whole parameter
+    generator = torch.Generator().manual_seed(seed)
+    p, g = (torch.randn(rows, width, generator=generator) for _ in range(2))
+    m = torch.randn(rows, width, generator=generator).bfloat16()
+    v, vmax = (torch.rand(rows, width, generator=generator).bfloat16() for _ in range(2))
+    where = dict(rows=torch.randperm(3 * rows, generator=generator)[:rows]) if gathered else dict(index0=12345)
+    return p, g.to(grad_dtype), m, v, vmax if amsgrad else None, where
+
+
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("amsgrad", [False, True])
 @pytest.mark.parametrize("gathered", [False, True])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_rounds_as_its_torch_reference_bit_for_bit(decoupled, amsgrad, gathered, grad_dtype):
     # odd sizes, several threads, a gradient scale and maximize: every element the same bits as the reference
-    generator = torch.Generator().manual_seed(7)
     rows, width = 4099, 37
-    p, g = (torch.randn(rows, width, generator=generator) for _ in range(2))
-    g = g.to(grad_dtype)
-    m = torch.randn(rows, width, generator=generator).bfloat16()
-    v, vmax = (torch.rand(rows, width, generator=generator).bfloat16() for _ in range(2))
-    vmax = vmax if amsgrad else None
+    p, g, m, v, vmax, where = _update_inputs(7, rows, width, grad_dtype, amsgrad, gathered)
     args = AdamArgs.of(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=decoupled,
                        maximize=not decoupled, step=5, scale=0.37)  # fmt: skip
-    where = dict(rows=torch.randperm(3 * rows, generator=generator)[:rows]) if gathered else dict(index0=12345)
     ref = [t.clone() if t is not None else None for t in (p, g, m, v, vmax)]
     copy = torch.empty(rows, width, dtype=torch.bfloat16)  # the updated values in bf16, written as they are stored
     adam_bf16.step(p, g, m, v, vmax, args, 99, threads=3, copy=copy, **where)
@@ -57,16 +61,9 @@ def test_the_triton_twin_gives_the_host_kernels_bits(device, amsgrad, gathered, 
         pytest.skip("the Triton kernel on CPU tensors needs TRITON_INTERPRET=1")
     from lightning_slide.kernels.adam_bf16 import adam_bf16 as twin
 
-    generator = torch.Generator().manual_seed(5)
-    rows, width = 301, 37
-    p, g = (torch.randn(rows, width, generator=generator) for _ in range(2))
-    g = g.to(grad_dtype)
-    m = torch.randn(rows, width, generator=generator).bfloat16()
-    v, vmax = (torch.rand(rows, width, generator=generator).bfloat16() for _ in range(2))
-    vmax = vmax if amsgrad else None
+    p, g, m, v, vmax, where = _update_inputs(5, 301, 37, grad_dtype, amsgrad, gathered)
     args = AdamArgs.of(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=not amsgrad,
                        maximize=amsgrad, step=4, scale=0.61)  # fmt: skip
-    where = dict(rows=torch.randperm(5 * rows, generator=generator)[:rows]) if gathered else dict(index0=777)
     seed = 0xCAFEF00D  # above 2**31: the kernel's argument is 64-bit, its bits are not
     host = [t.clone() if t is not None else None for t in (p, g, m, v, vmax)]
     adam_bf16.step(*host, args, seed, threads=2, **where)

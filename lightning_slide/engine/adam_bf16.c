@@ -102,23 +102,22 @@ static inline void update(int64_t at, int64_t index, const int amsgrad, const in
             LOOP(AMSGRAD, COPIES, 0); \
     } while (0)
 
+#define BY_COPIES(AMSGRAD)     \
+    do {                       \
+        if (copies == 2)       \
+            LOOPS(AMSGRAD, 2); \
+        else if (copies)       \
+            LOOPS(AMSGRAD, 1); \
+        else                   \
+            LOOPS(AMSGRAD, 0); \
+    } while (0)
+
 void adam_bf16(int64_t n, int64_t index0, int threads, int bf16_grad, ARRAYS, SCALARS) {
     int copies = copy == NULL ? 0 : copy == (uint16_t *)g ? 2 : 1;
-    if (vmax) {
-        if (copies == 2)
-            LOOPS(1, 2);
-        else if (copies)
-            LOOPS(1, 1);
-        else
-            LOOPS(1, 0);
-    } else {
-        if (copies == 2)
-            LOOPS(0, 2);
-        else if (copies)
-            LOOPS(0, 1);
-        else
-            LOOPS(0, 0);
-    }
+    if (vmax)
+        BY_COPIES(1);
+    else
+        BY_COPIES(0);
 }
 
 // ``count`` rows of ``width`` elements gathered from a parameter's rows ``rows``; ``copy`` not the gradient

@@ -86,7 +86,7 @@ class Step:
         self.schedule, self.on_nonfinite = schedule, on_nonfinite
         self.delay = delay
         self.deferred = set(deferred)
-        # on the device: autograd leaves their gradients, the user's optimizer steps them (bf16 moments: this step)
+        # on the device: autograd leaves their gradients; the user's optimizer steps them (bf16 moments: this class)
         self.resident = resident
         self._resident_set = set(resident)
         self.world = world  # several processes: the streamed units' gradients arrive averaged, the resident ones here

@@ -115,7 +115,7 @@ class Updates:
         self.retain = retain
         self.compact = set(compact) if retain else set()
         self.host: dict[nn.Parameter, Tensor] = {}  # retained gradients (views into one buffer per owner unit)
-        self.lent: set[nn.Parameter] = set()  # ... in buffers lent by the delayed blocks (lend)
+        self.lent: set[nn.Parameter] = set()  # those held in the delayed blocks' copies (lend)
         self.fresh: dict[nn.Parameter, bool] = {}  # retained buffer holds nothing of this window yet
         self.pending: set[nn.Parameter] = set()  # parameters with gradients in this window
         self.recent: deque[StepPlan] = deque(maxlen=2)  # the steps whose updates may still run (one overlaps the next)
