@@ -482,7 +482,8 @@ class SlideEngine:
             return 0
         plan = self.host_plan()
         state = plan.optimizer_state if not self.optimizer.optimizer.state else 0
-        return state + (plan.retained_grads if not self.updates.host else 0)
+        allocated = any(p not in self.updates.lent for p in self.updates.host)  # (lent: the delayed blocks' copies)
+        return state + (plan.retained_grads if not allocated else 0)
 
     def partial_step(self) -> StepPlan | None:
         """After a fault: the step whose updates were applied in part (the model then mixes two steps), once the
