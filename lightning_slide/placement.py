@@ -85,7 +85,7 @@ def choose_engine(
     plan = engine.host_plan(stored, activations)
     if plan.added > available and config.compact_retained_grads == "auto" and not compact_first:
         candidate = make(engine.nvme_path, compact=True)
-        if candidate.compact_grads():
+        if candidate.retention.compact:
             engine, plan = candidate, candidate.host_plan(stored, activations)
             log.info(
                 "SlideFormer keeps the step's bf16 gradients in bf16 on the host (a slower CPU update): in fp32"

@@ -2,6 +2,7 @@
 delayed rule written by hand in plain PyTorch after it, checkpoints that resume it exactly, and what is refused."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def test_bf16_gradients_of_delayed_blocks_wait_in_their_copies_and_train_as_in_b
     # bit for bit, as gradients held apart, and one buffer per parameter less in the plan
     import lightning as L
 
-    from lightning_slide.engine.engine import SlideEngine
+    from lightning_slide.engine import engine as engine_module
 
     lent, to_come = [], []
 
@@ -165,7 +166,8 @@ def test_bf16_gradients_of_delayed_blocks_wait_in_their_copies_and_train_as_in_b
     assert lent == [matrices] * 6  # block 0's matrices, every step (its norms' fp32 gradients apart)
     assert to_come == [True]
     lent.clear()
-    monkeypatch.setattr(SlideEngine, "_grads_in_copies", lambda self: set())
+    made = engine_module.retention  # the same retention, none of it in the copies
+    monkeypatch.setattr(engine_module, "retention", lambda *a, **k: replace(made(*a, **k), in_copies=frozenset()))
     apart, retained_apart = run()
     assert lent == [[]] * 6
     assert all(torch.equal(in_copies[k], apart[k]) for k in apart)

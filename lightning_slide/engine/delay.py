@@ -44,7 +44,7 @@ class DelayedBlocks:
         worker: the CPU worker (the updates that write the copies, in its order).
         warmup: the optimizer steps run exactly before the delay starts.
         trained: the parameters the optimizer updates (frozen ones are read from their masters).
-        in_place: trained parameters whose gradients are held in bf16 in the live copies (module docstring).
+        in_place: trained parameters whose gradients are held in bf16 in their live copies (module docstring).
     """
 
     def __init__(
@@ -55,7 +55,7 @@ class DelayedBlocks:
         self.transfer, self.worker, self.warmup = transfer, worker, warmup
         params = [(p, dtype) for u in blocks for p, dtype in zip(u.params, u.dtypes) if p in trained]
         self.live, self.spare = ({p: transfer.host_empty(p.numel(), d).view(p.shape) for p, d in params} for _ in "ab")
-        self.in_place = {p for p in in_place if p in self.live and self.live[p].dtype == torch.bfloat16}
+        self.in_place = set(in_place)
         self.done: dict[Unit, Future | None] = dict.fromkeys(blocks)  # what the live set waits for
         self.version = dict.fromkeys(blocks, 0)
         self.filled = False  # the live set holds the weights of the next step

@@ -31,6 +31,7 @@ from .guard import Guard
 from .nvme import NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
 from .planner import HostPlan, check_window, plan_host
+from .retention import retention
 from .rows import Contribution
 from .shared_host import SharedHost
 from .state_io import StateIO
@@ -72,7 +73,7 @@ class SlideEngine:
             hold compute-dtype copies until :meth:`teardown` reads the masters back (``disk_masters.py``).
         hooks_read_grads: user code may read ``param.grad`` between backward and step: "forward" shows the gradients
             there, and the embedding's update is not split.
-        compact_grads: keep retained gradients in bf16 where they can be (:meth:`compact_grads`).
+        compact_grads: keep retained gradients in bf16 where they can be (``retention.py``).
         config: the mechanism's knobs (``config.py``).
         resident: modules kept whole on the device (the GPU tier), out of every unit; the user's optimizer steps them
             there (``step.py``); blocks among them recompute in backward.
@@ -168,7 +169,12 @@ class SlideEngine:
         self._retain = retain_grads or schedule == "forward" or bool(self.deferred)
         self._accumulates = retain_grads
         self.hooks_read_grads = hooks_read_grads
-        self._compact_grads = compact_grads
+        self.retention = retention(
+            self.units, self.deferred, self.delayed, self.streamed_trainable() if self.optimizer is not None else set(),
+            schedule=schedule, accumulates=retain_grads, compute_dtype=compute_dtype, shared=self._shared,
+            allowed=compact_grads and self.optimizer is not None and not hooks_read_grads and self.nvme_path is None
+            and shared is None,
+        )  # fmt: skip
         self.offload = Offloading(offload_activations, len(self.blocks))  # the block inputs kept in RAM
         self.activations: ActivationStash | None = None  # its stash, from setup
         self.rows: EmbeddingRows | None = None
@@ -223,8 +229,8 @@ class SlideEngine:
         return plan_host(
             owned,
             self.optimizer.optimizer if self.optimizer is not None else None,
-            retained={p for u in self._retained_units() for p in u.owned()} - self._grads_in_copies(),
-            compact_grads=self.compact_grads(),
+            retained=self.retention.held(),
+            compact_grads=self.retention.compact,
             landing_bytes=landing,
             pinned=self.device.type == "cuda",
             frozen_bytes_per_element={**(stored_sizes or {}), **dict.fromkeys(self.disk_masters, copy_size)},
@@ -236,39 +242,6 @@ class SlideEngine:
             share=self.shared.size if self.shared is not None else 1,
             delayed_weights=copy_bytes(self.delayed, self.streamed_trainable() if self.delayed else set()),
         )
-
-    def compact_grads(self) -> set[nn.Parameter]:
-        """The parameters whose retained gradients the host keeps in the compute dtype (``compact_grads``): owned
-        matrices computed with in bf16, of the units that retain theirs for one backward pass (all with schedule
-        "forward", the deferred and delayed blocks with "backward"). Not where hooks read ``param.grad`` (an fp32
-        tensor there), nor shared weights (their contributions are summed in fp32), nor the embedding (fp32 rows), nor
-        with the state on disk or shared by a node's processes."""
-        if not (
-            self._compact_grads
-            and self.optimizer is not None
-            and self.schedule in ("forward", "backward")
-            and not self._accumulates
-            and not self.hooks_read_grads
-            and self.compute_dtype == torch.bfloat16
-            and self.nvme_path is None
-            and self.shared is None
-        ):
-            return set()
-        return {
-            p for u in self._retained_units() for p, o, dtype in zip(u.params, u.owner, u.dtypes)
-            if o is u and dtype == self.compute_dtype and p not in self._shared
-        }  # fmt: skip
-
-    def _grads_in_copies(self) -> set[nn.Parameter]:
-        # the delayed blocks' bf16 gradients, held in their copies (delay.py)
-        trained = self.streamed_trainable() if self.delayed else set()
-        return {p for u in self.delayed for p in u.owned() if p in trained} & self.compact_grads()
-
-    def _retained_units(self) -> list[Unit]:
-        # the units whose gradients wait on the host for their update (all, where any must)
-        if self._accumulates or self.schedule == "forward":
-            return self.units
-        return self.deferred
 
     def _split_allowed(self) -> bool:
         # the embedding's two-part update (embedding.py) is exact for an embedding in RAM that nothing else uses, one
@@ -302,7 +275,7 @@ class SlideEngine:
         self.updates = self.sender = None
         if training:
             self.updates = Updates(self.transfer, self.worker, self.optimizer, retain=self._retain,
-                                   compact=self.compact_grads())  # fmt: skip
+                                   compact=self.retention.compact)  # fmt: skip
             self.sender = GradSender(self.transfer, self.worker, self.updates,
                                      max_queued_bytes=self.config.max_queued_grad_bytes)  # fmt: skip
         self._ready = True  # from here on, teardown releases what setup made, also if setup fails below
@@ -329,7 +302,7 @@ class SlideEngine:
         self.delay = None
         if self.delayed:
             self.delay = DelayedBlocks(self.delayed, self.transfer, self.worker, self._delay_warmup,
-                                       self.streamed_trainable(), self._grads_in_copies())  # fmt: skip
+                                       self.streamed_trainable(), self.retention.in_copies)  # fmt: skip
             self.updates.lend(self.delay.grad_buffers())
         self.window = Window(self.blocks, self._own_buffer_units(), self.transfer, self.num_slots, self.delay)
         self.state_io.delay = delay = self.delay
@@ -364,7 +337,7 @@ class SlideEngine:
         keys = self.optimizer.state_keys() if self.optimizer.store is None else ()  # else in each process's files
         params = [p for group in owned for p in group if p in trainable]
         self.shared.hold_state(self.optimizer.shared_state, params, keys, self.optimizer.state_dtype_of)
-        self.updates.share(self.shared, self._retained_units())
+        self.updates.share(self.shared, self.retention.units)
 
     def _own_rows(self) -> dict[nn.Parameter, slice | None]:
         # the rows of each unit's own parameters this process updates (all of them without `shared`)

@@ -326,19 +326,17 @@ class Step:
         if plan.skip:
             return
         delay = self.delay if self.delay is not None and self.delay.filled else None
-
-        def copies(unit: Unit) -> dict:  # a delayed block's next weights, where its in-place gradients are too
-            return dict(copies=delay.targets(unit), in_copies=delay.in_place) if delay is not None else {}
-
         if self.schedule == "forward":
             for unit in units:
                 touched = split is not None and unit is self.rows.unit
                 self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
-                                      run=self.rows.update_touched if touched else None, **copies(unit))  # fmt: skip
+                                      run=self.rows.update_touched if touched else None,
+                                      copies=delay.targets(unit) if delay is not None else None)  # fmt: skip
         elif self.updates.pending:  # the deferred blocks', and those of a unit that skipped the last micro-batch
             for unit in units:
                 flagged = unit in self.deferred and self.sender.check_window(unit, plan)  # no CPU pass over them
-                self.updates.schedule(unit, plan, check_finite=not flagged, **copies(unit))
+                self.updates.schedule(unit, plan, check_finite=not flagged,
+                                      copies=delay.targets(unit) if delay is not None else None)  # fmt: skip
 
     def _finish_late(self, plan: StepPlan, late: list[Unit]) -> None:
         # the delayed blocks' updates and the step's bookkeeping (on the sender thread after a write-back)

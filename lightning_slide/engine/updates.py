@@ -225,7 +225,6 @@ class Updates:
         streamed: Collection[nn.Parameter] = (),
         run: Callable[[StepPlan, bool], Future] | None = None,
         copies: dict[nn.Parameter, Tensor] | None = None,
-        in_copies: set[nn.Parameter] = frozenset(),
     ) -> None:
         """Queue the update of ``owner``'s parameters that have gradients in this window (main thread).
 
@@ -233,8 +232,8 @@ class Updates:
             check_finite: refuse NaN/Inf gradients (not needed when the global norm was found finite).
             streamed: parameters whose chunks already carry the update; only the bookkeeping is left for them.
             run: queues the update itself and returns its future (the split embedding's touched rows).
-            copies: tensors that receive updated parameters' values (a delayed block's next weights, ``delay.py``).
-            in_copies: parameters whose gradients are their copies' values (lent buffers, swapped since they landed).
+            copies: tensors that receive updated parameters' values (a delayed block's next weights, ``delay.py``); a
+                lent parameter's gradient is there, its buffer swapped since it landed.
         """
         params = [p for p, o in zip(owner.params, owner.owner) if o is owner and p in self.pending]
         if not params:
@@ -256,7 +255,7 @@ class Updates:
             owner.update_done = run(plan, check_finite)
         else:
             self.optimizer.prefetch(rest)
-            held = {p: copies[p] if p in in_copies else self.held(p) for p in rest}  # read now: a lent one moves
+            held = {p: copies[p] if copies and p in self.lent else self.held(p) for p in rest}  # read now
             owner.update_done = self.worker.submit(self._update, owner.name, held, plan, check_finite, copies or {})
         if self.shared is not None:  # the unit's weights are whole once every process has updated its rows
             owner.update_done = self.worker.submit(self.shared.barrier)
