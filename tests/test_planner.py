@@ -3,6 +3,7 @@
 import lightning as L
 import pytest
 import torch
+from torch import nn
 
 from helpers import CausalLM, fit, tiny_config
 from lightning_slide import SlideFormerStrategy
@@ -110,8 +111,6 @@ def test_bf16_state_halves_the_planned_state_in_ram_and_on_disk():
 
 
 def test_units_kept_on_the_device_count_bf16_moments_and_no_temporaries_where_the_engine_steps_them():
-    from torch import nn
-
     layer = nn.Linear(8, 4)  # 36 fp32 parameters
     optimizer = torch.optim.AdamW(layer.parameters())
     fp32 = plain_training_bytes(list(layer.parameters()), optimizer, copies_itemsize=2)

@@ -89,6 +89,11 @@ class Step:
         # on the device: autograd leaves their gradients; the user's optimizer steps them (bf16 moments: this class)
         self.resident = resident
         self._resident_set = set(resident)
+        self._engine_stepped: dict[int, list[nn.Parameter]] = {}  # bf16 moments: the fp32 ones, by param group
+        if optimizer.state_dtype == torch.bfloat16:
+            for p in resident:
+                if p.dtype == torch.float32 and (g := optimizer.group_index(p)) is not None:
+                    self._engine_stepped.setdefault(g, []).append(p)
         self.world = world  # several processes: the streamed units' gradients arrive averaged, the resident ones here
         self.optimizer, self.updates, self.sender, self.worker = optimizer, updates, sender, worker
         self.window, self.rows, self.activations = window, rows, activations
@@ -200,8 +205,7 @@ class Step:
             for p in self.updates.pending:
                 p.grad = None
         self._check_resident()
-        if self.optimizer.state_dtype == torch.bfloat16:
-            self._update_resident()
+        self._update_resident()
         stray = [p for g in self.optimizer.optimizer.param_groups for p in g["params"]
                  if p.grad is not None and p not in self._resident_set]  # fmt: skip
         if stray:
@@ -272,11 +276,10 @@ class Step:
     def _update_resident(self) -> None:
         # bf16 moments for the fp32 parameters kept on the device too: the host kernel's arithmetic (its Triton twin on
         # a GPU), after clipping; the user's optimizer then finds no gradient of theirs
-        groups: dict[int, list[nn.Parameter]] = {}
-        for p in self.resident:
-            if p.grad is not None and p.dtype == torch.float32 and (g := self.optimizer.group_index(p)) is not None:
-                groups.setdefault(g, []).append(p)
-        for g, params in groups.items():
+        for g, kept in self._engine_stepped.items():
+            params = [p for p in kept if p.grad is not None]
+            if not params:
+                continue
             hypers = self.plan.hypers[g]
             for p in params:
                 self.optimizer.begin(p, hypers)
