@@ -202,7 +202,8 @@ def test_offsets_are_read_on_the_host_once_per_tensor(monkeypatch, tune):
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cuda_bf16_error_within_twice_sdpa(packed, d):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_error_within_twice_plain_attention_in_the_same_dtype(packed, d, dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, hq, hkv = 2, 1024, 8, 2
     q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for h in (hq, hkv, hkv))
@@ -217,7 +218,7 @@ def test_cuda_bf16_error_within_twice_sdpa(packed, d):
         return (out.detach().float(), *(x.float() for x in torch.autograd.grad(out, leaves, grad.to(out.dtype))))
 
     ref = run(lambda *t: flash_attention_ref(*t, cu_seqlens=cu), q, k, v)
-    plain = run(lambda *t: flash_attention_ref(*t, cu_seqlens=cu), *(t.bfloat16() for t in (q, k, v)))
-    ours = run(lambda *t: flash_attention(*t, cu_seqlens=cu), *(t.bfloat16() for t in (q, k, v)))
+    plain = run(lambda *t: flash_attention_ref(*t, cu_seqlens=cu), *(t.to(dtype) for t in (q, k, v)))
+    ours = run(lambda *t: flash_attention(*t, cu_seqlens=cu), *(t.to(dtype) for t in (q, k, v)))
     for name, p, o, r in zip(("out", "dq", "dk", "dv"), plain, ours, ref):
         assert _rel(o, r) <= 2 * _rel(p, r), name

@@ -50,6 +50,8 @@ class EngineConfig:
             instead of 4). ``"auto"``: with ``optimizer_state="bf16"``, whose kernel reads them as they are; else
             only where fp32 ones would not fit the RAM available (torch's fused AdamW needs them widened: a slower
             CPU update).
+        skip_dead_ends: a block's backward replays its forward without the products of the linear layers whose
+            outputs only its residual additions read (``dead_ends.py``; the same gradients, bit for bit).
         nvme_read_ahead_bytes: the NVMe tier's optimizer state read ahead of its updates and not yet used, at most
             (RAM that keeps the disk busy; 0: one block at a time).
         register_min_bytes: pinned host buffers from this size are pinned by registering their pages with the driver;
@@ -69,6 +71,7 @@ class EngineConfig:
     deferred_updates: int | Auto = "auto"
     delayed_blocks: int | Auto = "auto"
     compact_retained_grads: bool | Auto = "auto"
+    skip_dead_ends: bool = True
     nvme_read_ahead_bytes: int = 512 << 20
     register_min_bytes: int = 1 << 20
 
@@ -89,7 +92,7 @@ class EngineConfig:
         for name in ("split_embedding_update", "compact_retained_grads"):
             if (value := getattr(self, name)) not in (True, False, "auto"):
                 raise ValueError(f"EngineConfig({name}=...) must be True, False or 'auto'; got {value!r}.")
-        for name in ("device_row_update", "defer_touched_rows"):
+        for name in ("device_row_update", "defer_touched_rows", "skip_dead_ends"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig({name}=...) must be True or False; got {getattr(self, name)!r}.")
 

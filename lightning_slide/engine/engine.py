@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from . import disk_masters, machine
 from .activations import ActivationStash, Offloading
 from .config import EngineConfig, check_choices
+from .dead_ends import DeadEnds
 from .delay import DelayedBlocks, check_delayed, copy_bytes
 from .embedding import EmbeddingRows
 from .functions import head_loss, recomputed, run_block, run_unit
@@ -183,6 +184,7 @@ class SlideEngine:
         self.dummy = torch.empty(0, requires_grad=True)  # makes a unit's node run backward when only weights need it
         self.step: Step | None = None  # the optimizer step's lifecycle (training only; step.py)
         self.guard: Guard | None = None  # what crosses the managed modules' boundaries (training only; guard.py)
+        self.dead_ends = DeadEnds(self.config.skip_dead_ends)  # the products the recompute leaves out (dead_ends.py)
         self._ready = False
 
     # ---- what the run needs, before setup --------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 A managed module is one autograd node. Its forward runs the module's own code with the device copies of its
 weights and keeps no graph, saving only its inputs. Its backward fetches the weights again, replays the forward
-with the RNG and autocast state of the first run (so dropout draws the same mask), and takes the gradients of
-the inputs and of the weight copies; the weight gradients leave for the CPU at once. Submodule outputs that leave the
-module by another way than its outputs (``guard.py``) are extra outputs of the node.
+with the RNG and autocast state of the first run (so dropout draws the same mask; without the products nothing
+reads, ``dead_ends.py``), and takes the gradients of the inputs and of the weight copies; the weight gradients leave
+for the CPU at once. Submodule outputs that leave the module by another way than its outputs (``guard.py``) are extra
+outputs of the node.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from .activations import ActivationStash
+from .dead_ends import DeadEnds
 from .guard import Guard, Key, Site, extra_outputs, submodule_outputs
 from .rows import Contribution, Rows
 from .units import Unit, alias, swapped
@@ -33,6 +35,7 @@ class UnitHost(Protocol):
     dummy: Tensor  # requires grad: makes a unit's node run backward when only its weights need gradients
     activations: ActivationStash | None
     guard: Guard | None  # training only
+    dead_ends: DeadEnds  # the layers the recompute leaves out
 
     def acquire(self, unit: Unit, training: bool = False) -> list[Tensor]: ...
 
@@ -178,7 +181,8 @@ class _UnitFunction(Function):
         weights = engine.acquire(unit, training=True)
         if call.probe:  # with a graph, so the guard sees where every result leads (guard.py)
             needs, wants = list(ctx.needs_input_grad[2:]), [engine.wants_grad(unit, i) for i in range(len(weights))]
-            out, found = engine.guard.probe(unit, call.run, list(tensors), needs, weights, wants)
+            with engine.dead_ends.probing(unit):
+                out, found = engine.guard.probe(unit, call.run, list(tensors), needs, weights, wants)
         else:
             with submodule_outputs(unit.module, call.carried()) as found:
                 out = call.run(tensors, weights)
@@ -211,7 +215,12 @@ class _UnitFunction(Function):
         weights = engine.acquire(unit, training=True)
         weights = [alias(w).requires_grad_(engine.wants_grad(unit, i)) for i, w in enumerate(weights)]
         sites = {(path, leaf) for path, _, leaf in call.extra_keys}
-        with torch.enable_grad(), call.replay(), submodule_outputs(unit.module, sites) as found:
+        with (
+            torch.enable_grad(),
+            call.replay(),
+            submodule_outputs(unit.module, sites) as found,
+            engine.dead_ends.skipped(unit),
+        ):
             out = call.run(inputs, weights)
         flat_out = tree_flatten(out)[0]
         grad_extras = grad_outs[len(call.out_positions) :]
