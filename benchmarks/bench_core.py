@@ -144,7 +144,7 @@ def run_slideformer(
     untraced_peak: list[int] = []  # the host's peak before that step: the profiler's own buffers take host memory
     # and as training ends: after it, Lightning's teardown brings the optimizer state of what the GPU held to the host
     trained_peak: list[int] = []
-    deferred: list[tuple[int, int]] = []  # blocks the plan updates during the next forward, and a step late
+    deferred: list[tuple[int, int, int]] = []  # blocks updated during the next forward, a step late; dead ends
 
     class Clock(L.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -158,7 +158,9 @@ def run_slideformer(
         def on_train_end(self, trainer, module):
             trained_peak.append(peak_rss())
             engine = trainer.strategy.engine
-            deferred.append((len(engine.deferred), len(engine.delayed)) if engine is not None else (0, 0))
+            dead = getattr(engine, "dead_ends", None)  # (older engines: none)
+            dead = sum(map(len, dead.layers.values())) if dead is not None else 0
+            deferred.append((len(engine.deferred), len(engine.delayed), dead) if engine is not None else (0, 0, 0))
 
         def on_fit_start(self, trainer, module):
             # The end of backward is marked by wrapping the module's backward, not in on_after_backward: a hook that
@@ -228,7 +230,7 @@ def run_slideformer(
                     f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB"
                     f" host_peak_before_the_profiled_step={untraced_peak[0] / GIB:.2f}GiB"
                     f" host_peak_as_training_ends={trained_peak[0] / GIB:.2f}GiB deferred_blocks={deferred[0][0]}"
-                    f" delayed_blocks={deferred[0][1]};"
+                    f" delayed_blocks={deferred[0][1]} dead_end_layers={deferred[0][2]};"
                     f" one more step profiled: {profiled[0]}",
     }  # fmt: skip
 
