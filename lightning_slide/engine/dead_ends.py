@@ -5,9 +5,9 @@ matrix of a residual branch (Llama's ``mlp.down_proj``: a quarter of a block's w
 the residual addition reads, and an addition's gradient needs no values: the replay can leave that product out and
 still take both of the layer's gradients, dX = dY W and dW = dY^T X, with the operations torch's own linear backward
 runs (so the same bits). The first training forward (the guard's probe, ``guard.py``) finds those layers per unit: an
-``nn.Linear`` without bias, called once, whose output no operation reads but out-of-place additions and dtype casts
-(and those results none but more of them): a torch function mode sees every call on it, the ones autograd records
-and the ones it does not (a comparison, an ``argmax``, a kernel launched on its memory).
+``nn.Linear`` without bias whose forward is its class's, called once, whose output no operation reads but out-of-place
+additions and dtype casts (and those results none but more of them): a torch function mode sees every call on it, the
+ones autograd records and the ones it does not (a comparison, an ``argmax``, a kernel launched on its memory).
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class _Watch(TorchFunctionMode):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.layers = [m for m in module.modules() if type(m) is nn.Linear and m.bias is None]
+        # NOTE: exactly nn.Linear, whose product and gradients _DeadLinear knows, and none whose forward was replaced
+        self.layers = [m for m in module.modules() if type(m) is nn.Linear and m.bias is None
+                       and "forward" not in m.__dict__]  # fmt: skip
         self.calls: dict[nn.Linear, int] = defaultdict(int)
         self.graphed: set[nn.Linear] = set()  # those whose output has a gradient to take
         self.owners: dict[int, set[nn.Linear]] = {}  # id of a tensor carrying layers' outputs unread -> the layers
