@@ -235,7 +235,7 @@ def test_fused_ops_refuses_a_bad_value():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [128, 4096, 5120])
 def test_norm_kernel_on_cuda_within_twice_the_formulas_error(dtype, width):
     # the input as the residual stream (fp32) or a projection (bf16) gives it, the weight in fp32 as the engine keeps
@@ -257,7 +257,7 @@ def test_norm_kernel_on_cuda_within_twice_the_formulas_error(dtype, width):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_kernel_on_cuda_within_twice_the_formulas_error(dtype):
     # Llama-3.1-8B's queries for 2 x 4096 tokens, heads first as transformers views them; cos/sin in fp32
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -280,7 +280,7 @@ def test_rotary_kernel_on_cuda_within_twice_the_formulas_error(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_swiglu_kernel_on_cuda_within_twice_the_formulas_error(dtype):
     # the gate and up projections of 4096 tokens of Llama-3.1-8B's MLP (intermediate 14336)
     generator = torch.Generator(device="cuda").manual_seed(0)
