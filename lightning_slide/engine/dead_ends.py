@@ -3,11 +3,12 @@
 A managed module's backward replays its forward to rebuild what its gradients need (``functions.py``). The last
 matrix of a residual branch (Llama's ``mlp.down_proj``: a quarter of a block's weights) computes an output that only
 the residual addition reads, and an addition's gradient needs no values: the replay can leave that product out and
-still take both of the layer's gradients, dX = dY W and dW = dY^T X, with the operations torch's own linear backward
-runs (so the same bits). The first training forward (the guard's probe, ``guard.py``) finds those layers per unit: an
-``nn.Linear`` without bias whose forward is its class's, called once, whose output no operation reads but out-of-place
-additions and dtype casts (and those results none but more of them): a torch function mode sees every call on it, the
-ones autograd records and the ones it does not (a comparison, an ``argmax``, a kernel launched on its memory).
+still take the layer's gradients (dX = dY W, dW = dY^T X, the bias's the sum of dY) with the operations torch's own
+linear backward runs, so the same bits. The first training forward (the guard's probe, ``guard.py``) finds those
+layers per unit: an ``nn.Linear`` whose forward is its class's, called once, whose output no operation reads but
+out-of-place additions and dtype casts (and those results none but more of them): a torch function mode sees every
+call on it, the ones autograd records and the ones it does not (a comparison, an ``argmax``, a kernel launched on its
+memory).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from torch.utils._pytree import tree_flatten
 
 from .units import Unit, replace_forward
 
-# the operations through which a dead end's output may pass on its way out: their gradients need no values
+# the operations through which a dead end's output may pass on its way out: their gradients need no values; and
+# dropout where it returns its input as it is (p = 0, or not training)
 _PASSING_CALLS = frozenset({torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.to})
+_PASSING_AS_IS = frozenset({nn.functional.dropout})
 # calls that read a tensor's metadata, not its values (and properties, ``__get__``, that return no tensor); not
 # ``data_ptr``: a kernel launched on the tensor reads its values through it
 _METADATA = frozenset({"is_floating_point", "is_complex", "dim", "ndimension", "size", "stride", "numel",
@@ -63,13 +66,12 @@ class DeadEnds:
 
 
 class _Watch(TorchFunctionMode):
-    """The probe of one unit: its bias-free ``nn.Linear`` layers' outputs, and every call that reads them."""
+    """The probe of one unit: its ``nn.Linear`` layers' outputs, and every call that reads them."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         # NOTE: exactly nn.Linear, whose product and gradients _DeadLinear knows, and none whose forward was replaced
-        self.layers = [m for m in module.modules() if type(m) is nn.Linear and m.bias is None
-                       and "forward" not in m.__dict__]  # fmt: skip
+        self.layers = [m for m in module.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
         self.calls: dict[nn.Linear, int] = defaultdict(int)
         self.graphed: set[nn.Linear] = set()  # those whose output has a gradient to take
         self.owners: dict[int, set[nn.Linear]] = {}  # id of a tensor carrying layers' outputs unread -> the layers
@@ -100,11 +102,13 @@ class _Watch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        layers = set().union(*(self.owners.get(id(t), set()) for t in tree_flatten((args, kwargs))[0]
-                               if isinstance(t, Tensor)))  # fmt: skip
+        given = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        layers = set().union(*(self.owners.get(id(t), set()) for t in given))
         if not layers or not _reads_values(func, out):
             return out
-        if func in _PASSING_CALLS and isinstance(out, Tensor):
+        if (func in _PASSING_CALLS and isinstance(out, Tensor)) or (
+            func in _PASSING_AS_IS and any(out is t for t in given)
+        ):
             self._carry(out, layers)
         else:
             self.read |= layers
@@ -124,31 +128,35 @@ def _reads_values(func, out: Any) -> bool:
 def _dead_forward(layer: nn.Linear, x: Tensor) -> Tensor:
     # NOTE: autocast casts a linear's floating inputs to its dtype before the product; done here in the graph, as
     # autocast does it, so their gradients are cast back the same way
-    weight = layer.weight
+    weight, bias = layer.weight, layer.bias
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-        x, weight = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, weight))
-    if not (x.is_contiguous() and weight.is_contiguous() and weight.dim() == 2):
+        x, weight, bias = (t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                           for t in (x, weight, bias))  # fmt: skip
+    if not (x.is_contiguous() and 2 <= x.dim() <= 3 and weight.is_contiguous() and weight.dim() == 2):
         return nn.Linear.forward(layer, x)  # another layout takes other products in torch's backward
-    return _DeadLinear.apply(x, weight)
+    return _DeadLinear.apply(x, weight, bias)
 
 
 class _DeadLinear(Function):
-    """``x @ weight.T`` whose value is never read: returns zeros (one element, expanded), differentiates as torch's
-    linear does."""
+    """``x @ weight.T + bias`` whose value is never read: returns zeros (one element, expanded), differentiates as
+    torch's linear does on a contiguous input of at most 3 dimensions (folded to (T, K): ``mm``, or ``addmm`` with a
+    bias, whose gradient autograd sums over the broadcast rows)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         return x.new_zeros(()).expand(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
         # x: (..., K), weight: (N, K), grad: (..., N); torch folds the leading dims: (T, K) @ (K, N)
         with torch.autocast(grad.device.type, enabled=False):
             grad2 = grad.reshape(-1, grad.shape[-1])  # (T, N)
-            grad_x = grad2.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
-            grad_w = grad2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None  # (N, K)
-        return grad_x, grad_w
+            grad_x = grad2.mm(weight).view(x.shape) if need_x else None
+            grad_w = grad2.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None  # (N, K)
+            grad_b = grad2.sum(0, keepdim=True).view(-1) if need_b else None  # (N,), as at::sum_to reduces it
+        return grad_x, grad_w, grad_b
