@@ -115,7 +115,7 @@ class _Watch(TorchFunctionMode):
         return out
 
     def dead(self) -> list[nn.Linear]:
-        """The layers called once, with a gradient, whose outputs nothing read but additions and casts."""
+        """The layers called once, with a gradient, whose outputs nothing read but the passing calls."""
         return [layer for layer in self.layers if self.calls[layer] == 1 and layer in self.graphed
                 and layer not in self.read]  # fmt: skip
 
