@@ -8,7 +8,7 @@ linear backward runs, so the same bits. The first training forward (the guard's 
 layers per unit: an ``nn.Linear`` whose forward is its class's, called once, whose output no operation reads but
 out-of-place additions and dtype casts (and those results none but more of them): a torch function mode sees every
 call on it, the ones autograd records and the ones it does not (a comparison, an ``argmax``, a kernel launched on its
-memory).
+memory). What the probe saw holds for the unit's later calls, as the guard's carried outputs do.
 """
 
 from __future__ import annotations
