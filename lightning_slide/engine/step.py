@@ -329,17 +329,16 @@ class Step:
         if plan.skip:
             return
         delay = self.delay if self.delay is not None and self.delay.filled else None
+        copies = delay.targets if delay is not None else lambda unit: None  # a delayed block's next weights
         if self.schedule == "forward":
             for unit in units:
                 touched = split is not None and unit is self.rows.unit
-                self.updates.schedule(unit, plan, check_finite=not plan.norm_checked,
-                                      run=self.rows.update_touched if touched else None,
-                                      copies=delay.targets(unit) if delay is not None else None)  # fmt: skip
+                run = self.rows.update_touched if touched else None
+                self.updates.schedule(unit, plan, check_finite=not plan.norm_checked, run=run, copies=copies(unit))
         elif self.updates.pending:  # the deferred blocks', and those of a unit that skipped the last micro-batch
             for unit in units:
                 flagged = unit in self.deferred and self.sender.check_window(unit, plan)  # no CPU pass over them
-                self.updates.schedule(unit, plan, check_finite=not flagged,
-                                      copies=delay.targets(unit) if delay is not None else None)  # fmt: skip
+                self.updates.schedule(unit, plan, check_finite=not flagged, copies=copies(unit))
 
     def _finish_late(self, plan: StepPlan, late: list[Unit]) -> None:
         # the delayed blocks' updates and the step's bookkeeping (on the sender thread after a write-back)
