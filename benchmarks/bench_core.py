@@ -160,7 +160,10 @@ def run_slideformer(
             engine = trainer.strategy.engine
             dead = getattr(engine, "dead_ends", None)  # (older engines: none)
             dead = sum(map(len, dead.layers.values())) if dead is not None else 0
-            deferred.append((len(engine.deferred), len(engine.delayed), dead) if engine is not None else (0, 0, 0))
+            kept = getattr(engine, "kept_attention", None)
+            kept = sum(kept.keeps.values()) if kept is not None else 0
+            deferred.append((len(engine.deferred), len(engine.delayed), dead, kept) if engine is not None else
+                            (0, 0, 0, 0))  # fmt: skip
 
         def on_fit_start(self, trainer, module):
             # The end of backward is marked by wrapping the module's backward, not in on_after_backward: a hook that
@@ -230,7 +233,8 @@ def run_slideformer(
                     f" upload={up / 1e9:.1f}GB download={down / 1e9:.1f}GB"
                     f" host_peak_before_the_profiled_step={untraced_peak[0] / GIB:.2f}GiB"
                     f" host_peak_as_training_ends={trained_peak[0] / GIB:.2f}GiB deferred_blocks={deferred[0][0]}"
-                    f" delayed_blocks={deferred[0][1]} dead_end_layers={deferred[0][2]};"
+                    f" delayed_blocks={deferred[0][1]} dead_end_layers={deferred[0][2]}"
+                    f" kept_attention_blocks={deferred[0][3]};"
                     f" one more step profiled: {profiled[0]}",
     }  # fmt: skip
 

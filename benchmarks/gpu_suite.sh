@@ -40,9 +40,10 @@ step fused 90 python bench_fused.py --out "$out/fused.csv"
 step core 540 python bench_core.py --out "$out/core.csv"
 delayed=(--strategy delayed_update=True --strategy delay_warmup=1 --strategy optimizer_state=bf16)  # issue 54's rows
 step delayed 540 python bench_core.py --systems a,b --layers 8 --tokens 8192,32768 "${delayed[@]}" --out "$out/core.csv"
-# the recompute's dead ends, on and off in turn (2.8 B at 32k, GPU-bound)
+# the recompute's dead ends and kept attention, on and off in turn (2.8 B at 32k, GPU-bound)
 step dead_ends 560 bash -c 'for s in True False True False; do python bench_core.py --systems a --layers 8 \
-  --tokens 32768 --schedules backward --engine skip_dead_ends=$s --out "$1/core.csv" || exit 1; done' _ "$out"
+  --tokens 32768 --schedules backward --engine skip_dead_ends=$s --engine keep_attention=$s --out "$1/core.csv" \
+  || exit 1; done' _ "$out"
 step delayed_8b 300 python bench_core.py --systems a --layers 32 --tokens 32768 --schedules forward "${delayed[@]}" \
   --out "$out/core.csv"
 step memory_8b 300 python bench_memory.py --case 8b --out "$out/memory.csv"

@@ -21,8 +21,8 @@ Masks: key j is visible to query i (positions within one sequence) iff j < len, 
 with ``window`` W also i - W < j (Hugging Face's sliding-window convention). Nothing crosses sequences.
 
 Layering (as Liger-Kernel's): the Triton programs (``attention_triton.py``) -> ``flash_attention_forward`` /
-``flash_attention_backward`` -> ``FlashAttentionFunction`` -> ``FlashAttention`` (module) -> ``flash_attention``;
-``flash_attention_ref`` is the readable reference.
+``flash_attention_backward`` -> ``FlashKernel`` (one call's) -> ``FlashAttentionFunction`` -> ``flash_attention`` ->
+``FlashAttention`` (module); ``flash_attention_ref`` is the readable reference.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -222,19 +223,39 @@ def _mask(n: int, opts: AttentionOptions, device: torch.device) -> Tensor | None
     return visible
 
 
+@dataclass(frozen=True, eq=False)
+class FlashKernel:
+    """The kernels of one call: packed (T, H, D) inputs, their sequences (``cu_seqlens`` and ``_sequences``' table of
+    them) and options. ``forward`` returns the output and the statistics its backward needs (the lse; none on the
+    torch path, whose backward runs the forward again)."""
+
+    cu_seqlens: Tensor
+    seqs: Tensor
+    opts: AttentionOptions
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        o, lse = flash_attention_forward(q, k, v, self.cu_seqlens, self.seqs, self.opts)
+        return o, (lse,) if lse is not None else ()
+
+    def backward(self, q, k, v, o, stats: tuple[Tensor, ...], do: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        lse = stats[0] if stats else None
+        return flash_attention_backward(q, k, v, o, lse, do.contiguous(), self.cu_seqlens, self.seqs, self.opts)
+
+
 class FlashAttentionFunction(torch.autograd.Function):
+    """``kernel``'s attention (a :class:`FlashKernel`, or any object with its two methods) with its gradients."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, seqs, opts: AttentionOptions):
-        o, lse = flash_attention_forward(q, k, v, cu_seqlens, seqs, opts)
-        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, seqs)
-        ctx.opts = opts
+    def forward(ctx, kernel: FlashKernel, q, k, v):
+        o, stats = kernel.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, o, *stats)
+        ctx.kernel = kernel
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, cu_seqlens, seqs = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do.contiguous(), cu_seqlens, seqs, ctx.opts)
-        return dq, dk, dv, None, None, None
+        q, k, v, o, *stats = ctx.saved_tensors
+        return None, *ctx.kernel.backward(q, k, v, o, tuple(stats), do)
 
 
 def flash_attention(
@@ -247,6 +268,7 @@ def flash_attention(
     window: int | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
+    through: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """Attention ``softmax(q k^T * scale + mask) v``, memory-efficient, with gradients for q, k and v.
 
@@ -260,6 +282,8 @@ def flash_attention(
         cu_seqlens: packed layout: (B+1,) int32 offsets of the sequences in T, from 0, non-decreasing.
         max_seqlen: packed layout: the longest sequence (read from ``cu_seqlens`` when not given; a value below it
             is an error).
+        through: ``through(kernel, q, k, v)`` runs the prepared call (a :class:`FlashKernel` on packed, contiguous
+            inputs) instead of :class:`FlashAttentionFunction` (a caller that keeps the outputs for its backward).
 
     Returns:
         the attention output, shaped like ``q``.
@@ -283,7 +307,8 @@ def flash_attention(
         max_seqlen = s
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     opts = AttentionOptions(causal, float(scale), window, int(max_seqlen))
-    out = FlashAttentionFunction.apply(*(t.contiguous() for t in flat), cu_seqlens.contiguous(), seqs, opts)
+    kernel = FlashKernel(cu_seqlens.contiguous(), seqs, opts)
+    out = (through or FlashAttentionFunction.apply)(kernel, *(t.contiguous() for t in flat))
     return out if packed else out.view(q.shape)
 
 

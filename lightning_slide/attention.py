@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .engine.kept_attention import through
 from .kernels.attention import HEAD_DIMS, flash_attention
 
 NAME = "slide"  # dense CUDA batches to PyTorch's cuDNN attention where it runs them (module docstring)
@@ -91,7 +93,7 @@ def slide_attention_forward(
     if q.dtype == torch.float32 and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    options = dict(causal=causal, softmax_scale=scaling, window=sliding_window)
+    options = dict(causal=causal, softmax_scale=scaling, window=sliding_window, through=through())
     batch, length = q.shape[:2]
     if kwargs.get("cu_seq_lens_q") is not None:
         cu = kwargs["cu_seq_lens_q"].to(torch.int32)
@@ -106,6 +108,8 @@ def slide_attention_forward(
     heads_first = [t.transpose(1, 2) for t in (q, k, v)]  # (B, H, S, D), in the compute dtype
     gqa = q.shape[2] != k.shape[2]
     if cudnn and sliding_window is None and _cudnn_runs(*heads_first, causal, gqa):
+        if options["through"] is not None:  # a streamed block keeping its outputs (engine/kept_attention.py)
+            return options["through"](_Cudnn(causal, scaling), *heads_first).transpose(1, 2), None
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = torch.nn.functional.scaled_dot_product_attention(
                 *heads_first, is_causal=causal, scale=scaling, enable_gqa=gqa
@@ -124,6 +128,29 @@ def _cudnn_runs(query: Tensor, key: Tensor, value: Tensor, causal: bool, gqa: bo
     if not (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)):
         return False
     return can_use_cudnn_attention(SDPAParams(query, key, value, None, 0.0, causal, gqa), False)
+
+
+@dataclass(frozen=True)
+class _Cudnn:
+    """PyTorch's cuDNN attention on dense (B, H, S, D) inputs (GQA too), its forward and backward ops called as SDPA's
+    autograd calls them, for a caller that keeps the output and its statistics (``kernels.attention.FlashKernel``'s
+    two methods)."""
+
+    causal: bool
+    scale: float | None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, self.causal, False, scale=self.scale
+        )
+        return out, (lse, cum_q, cum_k, seed, offset)
+
+    def backward(self, q, k, v, out, stats: tuple[Tensor, ...], dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        lse, cum_q, cum_k, seed, offset = stats
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, self.causal,
+            scale=self.scale,
+        )  # fmt: skip
 
 
 def _flat(*tensors: Tensor) -> list[Tensor]:

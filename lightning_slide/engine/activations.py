@@ -113,6 +113,11 @@ class ActivationStash:
         return self.transfer.host_empty(nbytes, torch.uint8)
 
 
+def saved_bytes(inputs: tuple[Tensor, ...]) -> int:
+    """What a block keeps of its ``inputs`` for its recompute: those the stash would offload (``ActivationStash``)."""
+    return sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
+
+
 class Offloading:
     """Which blocks keep the inputs they save for their recompute in host memory (the first ``blocks``: their inputs
     wait longest for their backward), and whether their MLPs run on slices of the tokens (``tiling``): as the plan
@@ -147,7 +152,7 @@ class Offloading:
         """Decide from a block's ``inputs`` before the first block runs: as planned, if they are no larger than
         planned; else from their size, the device ``budget`` and the ``reserved`` bytes. Where anything is offloaded,
         ``before_offload()`` runs, and the inputs must fit ``host_room()`` bytes of RAM."""
-        saved = sum(t.numel() * t.element_size() for t in inputs if t.requires_grad and t.is_floating_point())
+        saved = saved_bytes(inputs)
         if self.planned is not None:
             planned, self.blocks, self.tiling = self.planned
             if saved > planned:

@@ -52,6 +52,9 @@ class EngineConfig:
             CPU update).
         skip_dead_ends: a block's backward replays its forward without the products of the linear layers whose
             outputs only its residual additions read (``dead_ends.py``; the same gradients, bit for bit).
+        keep_attention: a streamed block whose inputs stay on the GPU keeps its attention outputs (and their softmax
+            statistics) from its forward where the GPU has room for them, so its backward's replay skips the
+            attention's forward (``kept_attention.py``; the same gradients).
         nvme_read_ahead_bytes: the NVMe tier's optimizer state read ahead of its updates and not yet used, at most
             (RAM that keeps the disk busy; 0: one block at a time).
         register_min_bytes: pinned host buffers from this size are pinned by registering their pages with the driver;
@@ -72,6 +75,7 @@ class EngineConfig:
     delayed_blocks: int | Auto = "auto"
     compact_retained_grads: bool | Auto = "auto"
     skip_dead_ends: bool = True
+    keep_attention: bool = True
     nvme_read_ahead_bytes: int = 512 << 20
     register_min_bytes: int = 1 << 20
 
@@ -92,7 +96,7 @@ class EngineConfig:
         for name in ("split_embedding_update", "compact_retained_grads"):
             if (value := getattr(self, name)) not in (True, False, "auto"):
                 raise ValueError(f"EngineConfig({name}=...) must be True, False or 'auto'; got {value!r}.")
-        for name in ("device_row_update", "defer_touched_rows", "skip_dead_ends"):
+        for name in ("device_row_update", "defer_touched_rows", "skip_dead_ends", "keep_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig({name}=...) must be True or False; got {getattr(self, name)!r}.")
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from . import disk_masters, machine
-from .activations import ActivationStash, Offloading
+from .activations import ActivationStash, Offloading, saved_bytes
 from .config import EngineConfig, check_choices
 from .dead_ends import DeadEnds
 from .delay import DelayedBlocks, check_delayed, copy_bytes
@@ -29,9 +29,10 @@ from .embedding import EmbeddingRows
 from .functions import head_loss, recomputed, run_block, run_unit
 from .grads import GradSender
 from .guard import Guard
+from .kept_attention import KeptAttention
 from .nvme import NvmeStateStore, min_block_numel, row_numel
 from .optim import CpuOptimizer
-from .planner import HostPlan, check_window, plan_host
+from .planner import HostPlan, check_window, kept_room, plan_host
 from .retention import retention
 from .rows import Contribution
 from .shared_host import SharedHost
@@ -185,6 +186,8 @@ class SlideEngine:
         self.step: Step | None = None  # the optimizer step's lifecycle (training only; step.py)
         self.guard: Guard | None = None  # what crosses the managed modules' boundaries (training only; guard.py)
         self.dead_ends = DeadEnds(self.config.skip_dead_ends)  # the products the recompute leaves out (dead_ends.py)
+        self.kept_attention = KeptAttention(self.config.keep_attention, self.blocks)  # (kept_attention.py)
+        self._room_decided = False  # the first training forward decides offloading and the kept attention's room
         self._ready = False
 
     # ---- what the run needs, before setup --------------------------------------------------------------------
@@ -433,16 +436,20 @@ class SlideEngine:
         """Whether ``unit`` keeps its saved ``inputs`` in host memory (``Offloading``). Called before the block runs;
         the first call decides."""
         offload = self.offload
-        if offload.stash is None or unit not in self.window.index:
+        if unit not in self.window.index:
             return False
-        if offload.tiling is None:
+        if not self._room_decided:
+            self._room_decided = True
             rows = self.rows.device_bytes(self.step.plan) if self.rows is not None and self.step is not None else 0
-            offload.decide(
-                inputs, budget=machine.device_budget(self.device), reserved=self.config.max_queued_grad_bytes + rows,
-                host_room=lambda: machine.available_host_bytes() - self._host_to_come(),
-                before_offload=self._fewer_landing_buffers,
-            )  # fmt: skip
-        return self.window.index[unit] < offload.blocks
+            budget, reserved = machine.device_budget(self.device), self.config.max_queued_grad_bytes + rows
+            if offload.stash is not None:
+                offload.decide(
+                    inputs, budget=budget, reserved=reserved, before_offload=self._fewer_landing_buffers,
+                    host_room=lambda: machine.available_host_bytes() - self._host_to_come(),
+                )  # fmt: skip
+            on_device = len(self.blocks) - (offload.blocks if offload.stash is not None else 0)
+            self.kept_attention.room = kept_room(saved_bytes(inputs), on_device, budget, reserved)
+        return offload.stash is not None and self.window.index[unit] < offload.blocks
 
     def _fewer_landing_buffers(self) -> None:
         # Steps long enough to need offloading keep the GPU busy far longer than the CPU optimizer: gradients

@@ -1,10 +1,11 @@
 """The autograd nodes of managed modules.
 
 A managed module is one autograd node. Its forward runs the module's own code with the device copies of its
-weights and keeps no graph, saving only its inputs. Its backward fetches the weights again, replays the forward
-with the RNG and autocast state of the first run (so dropout draws the same mask; without the products nothing
-reads, ``dead_ends.py``), and takes the gradients of the inputs and of the weight copies; the weight gradients leave
-for the CPU at once. Submodule outputs that leave the module by another way than its outputs (``guard.py``) are extra
+weights and keeps no graph, saving only its inputs (and a block's attention outputs, ``kept_attention.py``). Its
+backward fetches the weights again, replays the forward with the RNG and autocast state of the first run (so dropout
+draws the same mask; without the products nothing reads, ``dead_ends.py``, nor the attention's forward where its
+outputs were kept), and takes the gradients of the inputs and of the weight copies; the weight gradients leave for
+the CPU at once. Submodule outputs that leave the module by another way than its outputs (``guard.py``) are extra
 outputs of the node.
 """
 
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from .activations import ActivationStash
 from .dead_ends import DeadEnds
 from .guard import Guard, Key, Site, extra_outputs, submodule_outputs
+from .kept_attention import KeptAttention
 from .rows import Contribution, Rows
 from .units import Unit, alias, swapped
 
@@ -36,6 +38,7 @@ class UnitHost(Protocol):
     activations: ActivationStash | None
     guard: Guard | None  # training only
     dead_ends: DeadEnds  # the layers the recompute leaves out
+    kept_attention: KeptAttention  # the blocks whose forward keeps its attention outputs
 
     def acquire(self, unit: Unit, training: bool = False) -> list[Tensor]: ...
 
@@ -179,13 +182,15 @@ class _UnitFunction(Function):
         engine, unit = call.engine, call.unit
         offload = engine.offloads(unit, tensors)  # decided before the first block runs (it may tile the MLPs)
         weights = engine.acquire(unit, training=True)
-        if call.probe:  # with a graph, so the guard sees where every result leads (guard.py)
-            needs, wants = list(ctx.needs_input_grad[2:]), [engine.wants_grad(unit, i) for i in range(len(weights))]
-            with engine.dead_ends.probing(unit):
-                out, found = engine.guard.probe(unit, call.run, list(tensors), needs, weights, wants)
-        else:
-            with submodule_outputs(unit.module, call.carried()) as found:
-                out = call.run(tensors, weights)
+        with engine.kept_attention.recording(unit, offload) as records:
+            if call.probe:  # with a graph, so the guard sees where every result leads (guard.py)
+                needs = list(ctx.needs_input_grad[2:])
+                wants = [engine.wants_grad(unit, i) for i in range(len(weights))]
+                with engine.dead_ends.probing(unit):
+                    out, found = engine.guard.probe(unit, call.run, list(tensors), needs, weights, wants)
+            else:
+                with submodule_outputs(unit.module, call.carried()) as found:
+                    out = call.run(tensors, weights)
         engine.release(unit, forward=True)
         flat_out, call.out_spec = tree_flatten(out)
         call.out_positions = [i for i, x in enumerate(flat_out) if isinstance(x, Tensor)]
@@ -200,6 +205,7 @@ class _UnitFunction(Function):
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         ctx.call = call
+        ctx.kept = engine.kept_attention.keep(unit, records)
         if offload:
             ctx.offloaded = engine.activations.save(tensors)  # kept in host memory until the backward
         else:
@@ -220,6 +226,7 @@ class _UnitFunction(Function):
             call.replay(),
             submodule_outputs(unit.module, sites) as found,
             engine.dead_ends.skipped(unit),
+            engine.kept_attention.replaying(ctx.kept),
         ):
             out = call.run(inputs, weights)
         flat_out = tree_flatten(out)[0]

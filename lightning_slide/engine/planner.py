@@ -192,6 +192,15 @@ def blocks_to_offload(saved_bytes: int, blocks: int, budget: int | None, reserve
     return blocks - min(blocks, max(0, room // saved_bytes))
 
 
+def kept_room(saved_bytes: int, on_device: int, budget: int | None, reserved_bytes: int) -> int | None:
+    """Device bytes left beside the saved inputs (``saved_bytes`` each) of the ``on_device`` blocks that keep them
+    there, one block at work and ``reserved_bytes`` in ``budget``: the room for kept attention outputs
+    (``kept_attention.py``); ``None`` off CUDA (no bound)."""
+    if budget is None:
+        return None
+    return max(0, _room_for_inputs(saved_bytes, budget, reserved_bytes) - on_device * saved_bytes)
+
+
 def tiling_needed(saved_bytes: int, budget: int | None, reserved_bytes: int) -> bool:
     """Whether one block at work does not fit ``budget`` even with every saved input offloaded (its MLP must then
     run on slices of the tokens, ``tiling.py``)."""
