@@ -10,7 +10,8 @@ Dense batches (no padding, no packing, no window) on CUDA run PyTorch's cuDNN at
 inputs: on the H200 it is faster than the project's kernel (``benchmarks/bench_attention.py``), and a user
 fine-tuning one dense batch after another gets the fastest kernel there is. Everything else — and everything when
 cuDNN cannot run the inputs — takes the project's kernel. ``attn_implementation="slide_kernel"`` sends dense batches
-to the kernel too.
+to the kernel too. Inside a streamed block that keeps its attention outputs (``engine/kept_attention.py``) each call
+runs through it: cuDNN's forward and backward ops directly, the kernel's as ``FlashKernel``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from .units import Unit
 
 log = logging.getLogger(__name__)
 
-Record = tuple[Tensor, tuple[Tensor, ...]]  # one attention call's output and its statistics
+Record = tuple[Tensor, tuple[Tensor | None, ...]]  # one attention call's output and its statistics
 _running: Callable[..., Tensor] | None = None  # how the running block's attention calls run (``through``)
 
 
@@ -147,4 +147,5 @@ class _Replayed(Function):
 
 
 def _nbytes(records: list[Record]) -> int:
-    return sum(t.numel() * t.element_size() for out, stats in records for t in (out, *stats))
+    # (cuDNN's statistics hold undefined tensors, None here, where a dense batch has no sequence offsets)
+    return sum(t.numel() * t.element_size() for out, stats in records for t in (out, *stats) if t is not None)
