@@ -69,6 +69,17 @@ def use_slide_attention(model: nn.Module, required: bool, name: str = NAME) -> C
     return lambda: model.set_attn_implementation(previous)
 
 
+def kept_bytes_per_token(model: nn.Module | None, itemsize: int) -> int:
+    """Device bytes per token and block of what a streamed block keeps of its attention calls
+    (``engine/kept_attention.py``): the output in the compute dtype (``itemsize`` bytes) and an fp32 statistic per
+    query head; 0 where the model's attention is not this module's."""
+    config = getattr(model, "config", None)
+    if config is None or config._attn_implementation not in (NAME, KERNEL_ONLY):
+        return 0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads * (head_dim * itemsize + 4)
+
+
 def slide_attention_forward(
     module: nn.Module,
     query: Tensor,

@@ -14,6 +14,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import overlap
+from .attention import kept_bytes_per_token
 from .engine import SlideEngine
 from .engine.activations import plan_offload
 from .engine.planner import (
@@ -310,6 +311,12 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
             if trial.deferred and fits and trial.nvme_path == engine.nvme_path:  # their gradients, not NVMe's pace
                 engine, host = trial, trial_host
     engine.offload.planned = planned
+    if cuda and tokens and engine.kept_attention.enabled:  # (the on-device blocks' attention outputs, room allowing)
+        per_block = tokens * kept_bytes_per_token(layout.pretrained, run.dtype.itemsize)
+        room = max(0, usable_device_bytes(machine.device) - device.peak)
+        kept_attention = min(len(engine.blocks) - offloaded, room // per_block) * per_block if per_block else 0
+        engine.kept_attention.planned_room = kept_attention
+        device += DevicePeaks(kept_attention, kept_attention, 0)
     plan = Plan(tier, engine.schedule, _placements(engine), device.peak, host, offloaded, processes=processes,
                 device=run.device.type, engine=engine)  # fmt: skip
     if work is not None:

@@ -448,7 +448,8 @@ class SlideEngine:
                     host_room=lambda: machine.available_host_bytes() - self._host_to_come(),
                 )  # fmt: skip
             on_device = len(self.blocks) - (offload.blocks if offload.stash is not None else 0)
-            self.kept_attention.room = kept_room(saved_bytes(inputs), on_device, budget, reserved)
+            room, kept = kept_room(saved_bytes(inputs), on_device, budget, reserved), self.kept_attention
+            kept.room = room if room is None or kept.planned_room is None else min(room, kept.planned_room)
         return offload.stash is not None and self.window.index[unit] < offload.blocks
 
     def _fewer_landing_buffers(self) -> None:

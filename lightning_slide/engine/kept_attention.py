@@ -8,10 +8,10 @@ torchtitan's selective activation checkpointing, which saves the attention ops' 
 sequences they cost the most flops per byte kept.
 
 The attention function asks :func:`through` how to run a call: ``None`` outside a recording or replaying block.
-Kept outputs take device memory: a block keeps them where its inputs stay on the device and the room the plan left
-beside those inputs and one block at work takes them (``planner.kept_room``), decided block by block at the first
-training forward. One forward and its backward run at a time (the backward may run on autograd's device thread),
-so the block being run is a module global, not a thread's.
+Kept outputs take device memory: a block keeps them where its inputs stay on the device and the room left beside
+those inputs and one block at work (``planner.kept_room``), and by the placement plan, takes them; decided block by
+block at the first training forward. One forward and its backward run at a time (the backward may run on
+autograd's device thread), so the block being run is a module global, not a thread's.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class KeptAttention:
         self.enabled = enabled
         self.blocks = set(blocks)
         self.room: int | None = None  # device bytes they may take (None: no bound, off CUDA); set by the engine
+        self.planned_room: int | None = None  # what the placement plan left of the device, where one was made
         self.keeps: dict[Unit, bool] = {}  # decided at each block's first training forward
         self.used = 0
 
