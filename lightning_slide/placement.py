@@ -151,6 +151,7 @@ class Plan:
     device_bytes: int  # the device's peak, the allocator's reserve included
     host: HostPlan | None  # a streamed run's host memory
     offloaded_blocks: int = 0
+    kept_attention_bytes: int = 0  # of device_bytes, the blocks' kept attention outputs (kept_attention.py)
     predicted_step_s: float | None = None
     processes: int = 1  # of the node, each planned alike: its host and disk figures are one process's
     device: str = "cuda"  # the device type it computes on
@@ -180,7 +181,8 @@ class Plan:
             "processes": self.processes, "tokens_per_batch": self.tier.tokens, "gpu_bytes": self.device_bytes,
             "host_bytes": host, "disk_bytes": self.host.disk * self.processes if self.host is not None else 0,
             "offloaded_blocks": self.offloaded_blocks, "deferred_blocks": self.deferred_blocks,
-            "delayed_blocks": self.delayed_blocks, "predicted_step_s": self.predicted_step_s,
+            "delayed_blocks": self.delayed_blocks, "kept_attention_bytes": self.kept_attention_bytes,
+            "predicted_step_s": self.predicted_step_s,
             "units": [vars(u) for u in self.units],
         }  # fmt: skip
 
@@ -197,6 +199,7 @@ class Plan:
             f" {data['disk_bytes'] / GIB:.2f} GiB{node}; offloaded blocks: {self.offloaded_blocks};"
             f"{f' blocks updated during the next forward: {self.deferred_blocks};' if self.deferred_blocks else ''}"
             f"{f' blocks updated a step late: {self.delayed_blocks};' if self.delayed_blocks else ''}"
+            f"{f' kept attention outputs: {kept / GIB:.2f} GiB;' if (kept := self.kept_attention_bytes) else ''}"
             f" predicted step: {step}",
         ]
         rows: list[list] = []
@@ -311,14 +314,15 @@ def make_plan(run: Run, tokens: int | None, machine: Machine, logits_built: bool
             if trial.deferred and fits and trial.nvme_path == engine.nvme_path:  # their gradients, not NVMe's pace
                 engine, host = trial, trial_host
     engine.offload.planned = planned
+    kept_attention = 0
     if cuda and tokens and engine.kept_attention.enabled:  # (the on-device blocks' attention outputs, room allowing)
         per_block = tokens * kept_bytes_per_token(layout.pretrained, run.dtype.itemsize)
         room = max(0, usable_device_bytes(machine.device) - device.peak)
         kept_attention = min(len(engine.blocks) - offloaded, room // per_block) * per_block if per_block else 0
         engine.kept_attention.planned_room = kept_attention
         device += DevicePeaks(kept_attention, kept_attention, 0)
-    plan = Plan(tier, engine.schedule, _placements(engine), device.peak, host, offloaded, processes=processes,
-                device=run.device.type, engine=engine)  # fmt: skip
+    plan = Plan(tier, engine.schedule, _placements(engine), device.peak, host, offloaded, kept_attention,
+                processes=processes, device=run.device.type, engine=engine)  # fmt: skip
     if work is not None:
         plan.predicted_step_s = predict_step_s(_streamed_work(work, engine, host), engine.schedule, rates)
     plan.error = _shortfall(engine, host, machine)
