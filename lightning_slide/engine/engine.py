@@ -434,7 +434,7 @@ class SlideEngine:
 
     def offloads(self, unit: Unit, inputs: tuple[Tensor, ...]) -> bool:
         """Whether ``unit`` keeps its saved ``inputs`` in host memory (``Offloading``). Called before the block runs;
-        the first call decides."""
+        the first call decides, and sets the room the blocks' kept attention outputs take (``kept_attention.py``)."""
         offload = self.offload
         if unit not in self.window.index:
             return False
