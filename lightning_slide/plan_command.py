@@ -30,6 +30,7 @@ from .cli import SlideCLI, trainer_defaults
 from .data import TextDataModule
 from .engine.planner import GIB
 from .engine.shared_host import SharedHost
+from .model_switches import switch_model
 from .models import find_layout
 from .module import CausalLMModule
 from .placement import Machine
@@ -102,6 +103,9 @@ def _plan(cli_args: list[str], args: argparse.Namespace, rates: Rates):
         disk=int(args.nvme_free * GIB) // share if args.nvme_free is not None else None,
     )
     layout = find_layout(module, strategy.blocks)
+    # the model as the strategy switches it on a GPU before its plan (the attention, the fused ops)
+    switch_model(module, layout, attention=strategy.attention, fused_ops=strategy.fused_ops, cuda=True,
+                 dtype=strategy.precision_plugin.compute_dtype, fitting=True)  # fmt: skip
     shared = SharedHost.on_paper(share) if share > 1 else None
     return strategy.plan_run(trainer, module, layout, optimizer, torch.device("cuda"), data.tokens_per_batch, machine,
                              rates, shared)  # fmt: skip
