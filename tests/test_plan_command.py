@@ -241,3 +241,24 @@ def test_the_documented_plans_run_as_printed(capsys, line):
     status, out = _run(capsys, shlex.split(line)[2:])
     assert status == 0, out
     assert "does not fit" not in out
+
+
+def test_the_blocks_kept_on_the_gpu_keep_their_attention_outputs_where_room_is_left(capsys, config_dir):
+    # the 1.2 B Llama in bf16 on the project's attention: each block's output (2 bytes) and statistic (fp32) per query
+    # head and token, counted in the GPU's figure; none where the blocks' inputs fill the GPU, or turned off
+    args = [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision", "bf16-mixed",
+            "--data.seq_len", "4096", "--gpu-memory", "24", "--host-memory", "64", "--json"]  # fmt: skip
+    plans = {}
+    for name, extra in [("kept", []), ("off", ["--trainer.strategy.init_args.engine", '{"keep_attention": false}'])]:
+        status, out = _run(capsys, [*args, *extra])
+        assert status == 0
+        plans[name] = json.loads(out)
+    per_block = 4096 * 32 * (64 * 2 + 4)  # head dim 2048 / 32
+    kept = plans["kept"]["kept_attention_bytes"]
+    assert kept % per_block == 0
+    assert 0 < kept // per_block <= 16
+    assert plans["off"]["kept_attention_bytes"] == 0
+    assert plans["kept"]["gpu_bytes"] == plans["off"]["gpu_bytes"] + kept
+    assert plans["kept"]["gpu_bytes"] <= 0.95 * (24 - 0.5) * 2**30
+    _, out = _run(capsys, [*args, "--data.seq_len", "65536"])  # the inputs alone outgrow the GPU: offloaded
+    assert json.loads(out)["kept_attention_bytes"] == 0
