@@ -46,6 +46,7 @@ def test_the_replay_takes_the_kept_outputs_and_trains_the_same_bits(monkeypatch)
     assert all(not torch.equal(ours[k], start[k]) for k in full if "layers" in k)
 
 
+@pytest.mark.slow
 def test_packed_documents_keep_their_outputs_too(monkeypatch):
     # position ids that restart: the variable-length kernel, its sequences kept with the call
     counts = _count_forwards(monkeypatch)
@@ -65,6 +66,7 @@ def test_packed_documents_keep_their_outputs_too(monkeypatch):
     assert all(torch.equal(ours[k], full[k]) for k in full)
 
 
+@pytest.mark.slow
 def test_blocks_beyond_the_room_replay_their_attention(monkeypatch, caplog):
     # room for two blocks' outputs of four: the others run their attention's forward again in the backward
     counts = _count_forwards(monkeypatch)
