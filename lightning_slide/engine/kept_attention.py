@@ -83,7 +83,7 @@ class KeptAttention:
             size = _nbytes(records)
             self.keeps[unit] = self.room is None or self.used + size <= self.room
             self.used += size if self.keeps[unit] else 0
-            if not self.keeps[unit]:
+            if list(self.keeps.values()).count(False) == 1 and not self.keeps[unit]:  # the first that does not fit
                 log.info(
                     "SlideFormer keeps the attention outputs of %d blocks (%.2f GiB) for their backward; the rest"
                     " run their attention again there (no more GPU memory left for them).",
