@@ -103,9 +103,14 @@ def _plan(cli_args: list[str], args: argparse.Namespace, rates: Rates):
         disk=int(args.nvme_free * GIB) // share if args.nvme_free is not None else None,
     )
     layout = find_layout(module, strategy.blocks)
-    # the model as the strategy switches it on a GPU before its plan (the attention, the fused ops)
-    switch_model(module, layout, attention=strategy.attention, fused_ops=strategy.fused_ops, cuda=True,
-                 dtype=strategy.precision_plugin.compute_dtype, fitting=True)  # fmt: skip
     shared = SharedHost.on_paper(share) if share > 1 else None
-    return strategy.plan_run(trainer, module, layout, optimizer, torch.device("cuda"), data.tokens_per_batch, machine,
-                             rates, shared)  # fmt: skip
+    # the model as the strategy switches it on a GPU before its plan (the attention, the fused ops); undone after,
+    # as some switches patch transformers' modules for every model of the process
+    restores = switch_model(module, layout, attention=strategy.attention, fused_ops=strategy.fused_ops, cuda=True,
+                            dtype=strategy.precision_plugin.compute_dtype, fitting=True)  # fmt: skip
+    try:
+        return strategy.plan_run(trainer, module, layout, optimizer, torch.device("cuda"), data.tokens_per_batch,
+                                 machine, rates, shared)  # fmt: skip
+    finally:
+        while restores:
+            restores.pop()()

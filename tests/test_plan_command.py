@@ -262,3 +262,15 @@ def test_the_blocks_kept_on_the_gpu_keep_their_attention_outputs_where_room_is_l
     assert plans["kept"]["gpu_bytes"] <= 0.95 * (24 - 0.5) * 2**30
     _, out = _run(capsys, [*args, "--data.seq_len", "65536"])  # the inputs alone outgrow the GPU: offloaded
     assert json.loads(out)["kept_attention_bytes"] == 0
+
+
+def test_planning_leaves_transformers_as_it_was(capsys, config_dir):
+    # the plan switches the model as a GPU run does (the fused rotary embedding patches its modeling file); the
+    # switches are undone after, or every later model of the process would run them
+    from transformers.models.llama import modeling_llama
+
+    before = modeling_llama.apply_rotary_pos_emb
+    status, _ = _run(capsys, [*QUICKSTART, "--model.config", "null", "--model.model", config_dir, "--trainer.precision",
+                              "bf16-mixed", "--gpu-memory", "24", "--host-memory", "64", "--json"])  # fmt: skip
+    assert status == 0
+    assert modeling_llama.apply_rotary_pos_emb is before
