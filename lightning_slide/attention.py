@@ -50,7 +50,7 @@ def use_slide_attention(model: nn.Module, required: bool, name: str = NAME) -> C
     """
     config = model.config
     previous = config._attn_implementation
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     why = None
     if head_dim not in HEAD_DIMS:
         why = f"head dim {head_dim} (supported: {HEAD_DIMS})"
@@ -76,8 +76,7 @@ def kept_bytes_per_token(model: nn.Module | None, itemsize: int) -> int:
     config = getattr(model, "config", None)
     if config is None or config._attn_implementation not in (NAME, KERNEL_ONLY):
         return 0
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.num_attention_heads * (head_dim * itemsize + 4)
+    return config.num_attention_heads * (_head_dim(config) * itemsize + 4)
 
 
 def slide_attention_forward(
@@ -133,6 +132,10 @@ def slide_attention_forward(
 def slide_kernel_attention_forward(*args, **kwargs) -> tuple[Tensor, None]:
     """``attn_implementation="slide_kernel"``: :func:`slide_attention_forward` with every batch on the kernel."""
     return slide_attention_forward(*args, cudnn=False, **kwargs)
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _cudnn_runs(query: Tensor, key: Tensor, value: Tensor, causal: bool, gqa: bool) -> bool:

@@ -75,7 +75,7 @@ def test_blocks_beyond_the_room_replay_their_attention(monkeypatch, caplog):
 
     def with_room(self, unit, records):
         if records and not self.keeps:
-            self.room = 2 * sum(t.numel() * t.element_size() for out, stats in records for t in (out, *stats))
+            self.room = 2 * kept_attention._nbytes(records)
         return keep(self, unit, records)
 
     monkeypatch.setattr(kept_attention.KeptAttention, "keep", with_room)

@@ -447,10 +447,10 @@ class SlideEngine:
                     inputs, budget=budget, reserved=reserved, before_offload=self._fewer_landing_buffers,
                     host_room=lambda: machine.available_host_bytes() - self._host_to_come(),
                 )  # fmt: skip
-            on_device = len(self.blocks) - (offload.blocks if offload.stash is not None else 0)
+            on_device = len(self.blocks) - offload.blocks  # (0 offloaded without a stash)
             room, kept = kept_room(saved_bytes(inputs), on_device, budget, reserved), self.kept_attention
             kept.room = room if room is None or kept.planned_room is None else min(room, kept.planned_room)
-        return offload.stash is not None and self.window.index[unit] < offload.blocks
+        return self.window.index[unit] < offload.blocks
 
     def _fewer_landing_buffers(self) -> None:
         # Steps long enough to need offloading keep the GPU busy far longer than the CPU optimizer: gradients
