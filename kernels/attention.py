@@ -60,12 +60,17 @@ class Tuning:
         split_below: dK/dV take one program per query head (not per kv head) when there would be fewer programs than
             this; ``None``: four per multiprocessor of the GPU (with few key blocks, whole-group programs leave
             multiprocessors idle), none off CUDA.
+        tma: the tiles each step of a kernel's loop loads (K/V in the forward and dQ, Q/dO in dK/dV) come through TMA
+            descriptors bounded by their sequence (``attention_triton._rows``), where the GPU has TMA (compute
+            capability 9+; and under the interpreter) and the inputs' heads are contiguous and their rows 16-byte
+            aligned; off: pointer loads with masks.
     """
 
     triton: bool | None = None
     pack_gqa: int = 8
     flat_below: int = 32
     split_below: int | None = None
+    tma: bool = False
 
 
 # tuning(**changes): a context within which the attention runs as ``Tuning(**changes)`` says
@@ -87,6 +92,20 @@ def _use_triton(q: Tensor) -> bool:
     if tuning.value.triton is not None:
         return tuning.value.triton
     return _INTERPRET or (q.is_cuda and q.dtype != torch.float32)
+
+
+def _use_tma(*tensors: Tensor) -> bool:
+    if not tuning.value.tma:
+        return False
+    t = tensors[0]
+    if not (_INTERPRET or t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9):
+        return False
+    aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0 for x in tensors)
+    if not aligned or any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in tensors):
+        return False
+    device = t.device  # the descriptors the kernels make live in global memory that triton asks its allocator for
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    return True
 
 
 def _grid(blocks_over: int, seqs: Tensor, heads: int, block: str, pack: int = 1):
@@ -133,6 +152,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         lse.stride(0), opts.softmax_scale * _LOG2E, opts.window or 0, _seq_bucket(opts.max_seqlen),
         GROUP=hq // k.shape[1], PACK=pack, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d,
+        TMA=_use_tma(k, v),
     )  # fmt: skip
     return o, lse
 
@@ -153,17 +173,18 @@ def flash_attention_backward(q, k, v, o, lse, do, cu_seqlens, seqs, opts: Attent
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     common = dict(GROUP=group, CAUSAL=opts.causal, HAS_WINDOW=opts.window is not None, HEAD_DIM=d)
+    tma = _use_tma(q, k, v, do)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                do.stride(1), lse.stride(0))  # fmt: skip
     scales = (opts.softmax_scale * _LOG2E, opts.softmax_scale, opts.window or 0, _seq_bucket(opts.max_seqlen))
     pack = _pack(group)
     _bwd_dq_kernel[_grid(opts.max_seqlen, seqs, hq, "BLOCK_M", pack)](
         q, k, v, do, lse, delta, dq, seqs, *strides, dq.stride(0), dq.stride(1), o, o.stride(0), o.stride(1), *scales,
-        PACK=pack, **common,
+        PACK=pack, TMA=tma, **common,
     )  # fmt: skip
     _bwd_dkdv_kernel[_grid(opts.max_seqlen, seqs, hq if split else hkv, "BLOCK_N")](
         q, k, v, do, lse, delta, dk, dv, seqs, *strides, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), *scales, HEADS=1 if split else group, FLAT_BELOW=tuning.value.flat_below, **common,
+        dv.stride(1), *scales, HEADS=1 if split else group, FLAT_BELOW=tuning.value.flat_below, TMA=tma, **common,
     )  # fmt: skip
     if split:
         dk, dv = (x.view(t, hkv, group, d).sum(2).to(k.dtype) for x in (dk, dv))

@@ -65,6 +65,23 @@ def _tile(base, start, offs, head, stride_t, stride_h, offs_d, ok):
 
 
 @triton.jit
+def _rows(base, start, seqlen, stride_t, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # A TMA descriptor over one sequence of a (T, H, D) tensor whose heads are contiguous, viewed as (T, H * D):
+    # loads are bounded by the sequence (rows past its end read as zeros, as the masked loads' `other`) and need no
+    # address tensors in registers (FlashAttention-3 loads its tiles by TMA for the same reasons)
+    return tl.make_tensor_descriptor(base + start * stride_t, shape=[seqlen.to(tl.int32), stride_t],
+                                     strides=[stride_t, 1], block_shape=[BLOCK, HEAD_DIM])  # fmt: skip
+
+
+@triton.jit
+def _block(base, start, first, offs, head, stride_t, stride_h, offs_d, ok, TMA: tl.constexpr):
+    # the tile of positions offs = first + arange of one head: through the descriptor of _rows, or _tile's pointers
+    if TMA:
+        return base.load([tl.cast(first, tl.int32), tl.cast(head * stride_h, tl.int32)])
+    return _tile(base, start, offs, head, stride_t, stride_h, offs_d, ok)
+
+
+@triton.jit
 def _query_rows(m_start, head0, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
     # A program's BLOCK_M rows are ROWS positions of BLOCK_M // ROWS query heads of one group (FlashAttention-3's
     # "PackGQA"): the heads share every key block, so a tile's rows cover fewer positions and the causal diagonal
@@ -133,11 +150,11 @@ def _query_ranges(n_start, seqlen, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
               offs_d, seqlen, window, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+              HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     # one key block of the online softmax
     offs_n = n_start + tl.arange(0, BLOCK_N)
     key_ok = offs_n < seqlen
-    k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
+    k = _block(K, start, n_start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok, TMA)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
         s = tl.where(_visible(offs_m[:, None], offs_n[None, :], seqlen, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
@@ -146,19 +163,19 @@ def _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
+    v = _block(V, start, n_start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok, TMA)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 
-@_autotune(_ROW_CONFIGS, _ROW_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
+@_autotune(_ROW_CONFIGS, _ROW_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "TMA", "seq_bucket"])
 @triton.jit
 def _fwd_kernel(
     Q, K, V, Out, LSE, seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lh,
     qk_scale, window, seq_bucket,
     GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # q/o: (T, Hq, D), k/v: (T, Hkv, D), lse: (Hq, T) in the log2 domain; one program per (query block of
     # BLOCK_M // PACK positions, sequence, PACK query heads of a group), the last query blocks (the most work when
@@ -169,6 +186,9 @@ def _fwd_kernel(
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS
     if m_start >= seqlen:
         return
+    if TMA:
+        K = _rows(K, start, seqlen, stride_kt, BLOCK_N, HEAD_DIM)
+        V = _rows(V, start, seqlen, stride_vt, BLOCK_N, HEAD_DIM)
     kv_head = head0 // GROUP
     offs_m, heads = _query_rows(m_start, head0, ROWS, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -182,15 +202,15 @@ def _fwd_kernel(
     for n_start in range(lo, full_lo, BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
                                   stride_vt, stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW,
-                                  BLOCK_N)  # fmt: skip
+                                  BLOCK_N, TMA)  # fmt: skip
     for n_start in range(full_lo, full_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
                                   stride_vt, stride_vh, offs_d, seqlen, window, qk_scale, False, CAUSAL, HAS_WINDOW,
-                                  BLOCK_N)  # fmt: skip
+                                  BLOCK_N, TMA)  # fmt: skip
     for n_start in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh,
                                   stride_vt, stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW,
-                                  BLOCK_N)  # fmt: skip
+                                  BLOCK_N, TMA)  # fmt: skip
     l_i = tl.where(row_ok, l_i, 1.0)  # rows past the sequence end (not stored) stay finite
     acc = acc / l_i[:, None]
     tl.store(Out + ((start + offs_m) * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :],
@@ -201,12 +221,12 @@ def _fwd_kernel(
 @triton.jit
 def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, offs_d, seqlen, window, qk_scale,
                stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+               HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     # one query block's contribution to a key block's dK and dV
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen
-    q = _tile(Q, start, offs_m, head, stride_qt, stride_qh, offs_d, row_ok)
-    do = _tile(DO, start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok)
+    q = _block(Q, start, m_start, offs_m, head, stride_qt, stride_qh, offs_d, row_ok, TMA)
+    do = _block(DO, start, m_start, offs_m, head, stride_dot, stride_doh, offs_d, row_ok, TMA)
     lse = tl.load(LSE + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + head * stride_lh + start + offs_m, mask=row_ok, other=0.0)
     # transposed scores (BLOCK_N, BLOCK_M): p^T and ds^T come out of their products in the layout the next
@@ -226,42 +246,43 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head, offs_n, of
 def _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, first, count, head0, offs_n, offs_d, seqlen, window,
                  qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, MASKED: tl.constexpr,
                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HEADS: tl.constexpr,
-                 BLOCK_M: tl.constexpr):  # fmt: skip
+                 BLOCK_M: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     # `count` query blocks from `first`, for query heads head0 .. head0 + HEADS - 1. Several heads run in one loop:
     # one software pipeline instead of one per head, which pays where each head has few blocks (short sequences)
     if HEADS == 1:
         for m_start in range(first, first + count * BLOCK_M, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head0, offs_n, offs_d, seqlen,
                                 window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, MASKED,
-                                CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
+                                CAUSAL, HAS_WINDOW, BLOCK_M, TMA)  # fmt: skip
     else:
         for i in range(0, HEADS * count):
             m_start = first + (i % count) * BLOCK_M
             dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE, DELTA, start, m_start, head0 + i // count, offs_n,
                                 offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh,
-                                stride_lh, MASKED, CAUSAL, HAS_WINDOW, BLOCK_M)  # fmt: skip
+                                stride_lh, MASKED, CAUSAL, HAS_WINDOW, BLOCK_M, TMA)  # fmt: skip
     return dk, dv
 
 
 @triton.jit
 def _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d, seqlen,
                    window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, CAUSAL: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+                   HAS_WINDOW: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   TMA: tl.constexpr):  # fmt: skip
     # masked blocks (diagonal), unmasked blocks, masked blocks (window edge)
     dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, (full_lo - lo) // BLOCK_M, head0, offs_n,
                           offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
-                          True, CAUSAL, HAS_WINDOW, HEADS, BLOCK_M)  # fmt: skip
+                          True, CAUSAL, HAS_WINDOW, HEADS, BLOCK_M, TMA)  # fmt: skip
     dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, full_lo, (full_hi - full_lo) // BLOCK_M, head0,
                           offs_n, offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh,
-                          stride_lh, False, CAUSAL, HAS_WINDOW, HEADS, BLOCK_M)  # fmt: skip
+                          stride_lh, False, CAUSAL, HAS_WINDOW, HEADS, BLOCK_M, TMA)  # fmt: skip
     tail = tl.maximum(tl.cdiv(hi - full_hi, BLOCK_M), 0)
     dk, dv = _dkdv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, start, full_hi, tail, head0, offs_n, offs_d, seqlen, window,
                           qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, True, CAUSAL, HAS_WINDOW,
-                          HEADS, BLOCK_M)  # fmt: skip
+                          HEADS, BLOCK_M, TMA)  # fmt: skip
     return dk, dv
 
 
-@_autotune(_COL_CONFIGS, _COL_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS", "seq_bucket"])
+@_autotune(_COL_CONFIGS, _COL_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "HEADS", "TMA", "seq_bucket"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, seqs,
@@ -269,7 +290,8 @@ def _bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     qk_scale, sm_scale, window, seq_bucket,
     GROUP: tl.constexpr, HEADS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr, FLAT_BELOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, FLAT_BELOW: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # one program per (key block, sequence, program head); loops over HEADS query heads and the query blocks.
     # HEADS == GROUP: a program head is a kv head, and its dK/dV is complete. HEADS == 1: a program head is a query
@@ -287,21 +309,24 @@ def _bwd_dkdv_kernel(
     v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    if TMA:
+        Q = _rows(Q, start, seqlen, stride_qt, BLOCK_M, HEAD_DIM)
+        DO = _rows(DO, start, seqlen, stride_dot, BLOCK_M, HEAD_DIM)
     lo, full_lo, full_hi, hi = _query_ranges(n_start, seqlen, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW)
     head0 = pid_h * HEADS
     if HEADS == 1:
         dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d,
                                 seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
-                                CAUSAL, HAS_WINDOW, 1, BLOCK_M)  # fmt: skip
+                                CAUSAL, HAS_WINDOW, 1, BLOCK_M, TMA)  # fmt: skip
     elif tl.cdiv(hi - lo, BLOCK_M) < FLAT_BELOW:  # few blocks per head: one loop over all the heads' blocks
         dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0, offs_n, offs_d,
                                 seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh,
-                                CAUSAL, HAS_WINDOW, HEADS, BLOCK_M)  # fmt: skip
+                                CAUSAL, HAS_WINDOW, HEADS, BLOCK_M, TMA)  # fmt: skip
     else:
         for g in range(HEADS):
             dk, dv = _dkdv_sections(dk, dv, k, v, Q, DO, LSE, DELTA, start, lo, full_lo, full_hi, hi, head0 + g,
                                     offs_n, offs_d, seqlen, window, qk_scale, stride_qt, stride_qh, stride_dot,
-                                    stride_doh, stride_lh, CAUSAL, HAS_WINDOW, 1, BLOCK_M)  # fmt: skip
+                                    stride_doh, stride_lh, CAUSAL, HAS_WINDOW, 1, BLOCK_M, TMA)  # fmt: skip
     tl.store(DK + (start + offs_n)[:, None] * stride_dkt + pid_h * stride_dkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok[:, None])  # fmt: skip
     tl.store(DV + (start + offs_n)[:, None] * stride_dvt + pid_h * stride_dvh + offs_d[None, :],
@@ -311,12 +336,12 @@ def _bwd_dkdv_kernel(
 @triton.jit
 def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
              stride_vh, offs_d, seqlen, window, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+             HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     # one key block's contribution to a query block's dQ
     offs_n = n_start + tl.arange(0, BLOCK_N)
     key_ok = offs_n < seqlen
-    k = _tile(K, start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok)
-    v = _tile(V, start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok)
+    k = _block(K, start, n_start, offs_n, kv_head, stride_kt, stride_kh, offs_d, key_ok, TMA)
+    v = _block(V, start, n_start, offs_n, kv_head, stride_vt, stride_vh, offs_d, key_ok, TMA)
     s = tl.dot(q, tl.trans(k)) * qk_scale
     p = tl.exp2(s - lse[:, None])
     if MASKED:
@@ -326,7 +351,7 @@ def _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, strid
     return dq + tl.dot(ds.to(k.dtype), k)
 
 
-@_autotune(_ROW_CONFIGS, _ROW_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "seq_bucket"])
+@_autotune(_ROW_CONFIGS, _ROW_SHORT, ["HEAD_DIM", "CAUSAL", "HAS_WINDOW", "GROUP", "PACK", "TMA", "seq_bucket"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, seqs,
@@ -334,7 +359,7 @@ def _bwd_dq_kernel(
     stride_dqt, stride_dqh, OUT, stride_ot, stride_oh,
     qk_scale, sm_scale, window, seq_bucket,
     GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # one program per (query block, sequence, PACK query heads) as in the forward, the most work (last blocks when
     # causal) first. It also computes its rows' delta = rowsum(dO * O) and stores it for the dK/dV kernel, which runs
@@ -345,6 +370,9 @@ def _bwd_dq_kernel(
     m_start = (tl.num_programs(0) - 1 - tl.program_id(0)) * ROWS
     if m_start >= seqlen:
         return
+    if TMA:
+        K = _rows(K, start, seqlen, stride_kt, BLOCK_N, HEAD_DIM)
+        V = _rows(V, start, seqlen, stride_vt, BLOCK_N, HEAD_DIM)
     kv_head = head0 // GROUP
     offs_m, heads = _query_rows(m_start, head0, ROWS, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -359,12 +387,12 @@ def _bwd_dq_kernel(
     lo, full_lo, full_hi, hi = _key_ranges(m_start, seqlen, window, ROWS, BLOCK_N, CAUSAL, HAS_WINDOW)
     for n_start in range(lo, full_lo, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
-                      stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
+                      stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N, TMA)  # fmt: skip
     for n_start in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
-                      stride_vh, offs_d, seqlen, window, qk_scale, False, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
+                      stride_vh, offs_d, seqlen, window, qk_scale, False, CAUSAL, HAS_WINDOW, BLOCK_N, TMA)  # fmt: skip
     for n_start in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, q, do, lse, delta, K, V, start, n_start, offs_m, kv_head, stride_kt, stride_kh, stride_vt,
-                      stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N)  # fmt: skip
+                      stride_vh, offs_d, seqlen, window, qk_scale, True, CAUSAL, HAS_WINDOW, BLOCK_N, TMA)  # fmt: skip
     tl.store(DQ + ((start + offs_m) * stride_dqt + heads * stride_dqh)[:, None] + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip

@@ -54,14 +54,18 @@ def _assert_matches_reference(q, k, v, **kwargs):
         assert _rel(a, b) < 1e-5, f"d{name}"
 
 
+TMA = pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("walk", ["by-query-head", "group-one-loop", "group-loop-per-head"])
-def test_dkdv_walks_match_fp64_reference(tune, packed, walk):
+@TMA
+def test_dkdv_walks_match_fp64_reference(tune, packed, walk, tma):
     # dK/dV run one program per query head and sum the group's partial sums afterwards (few key blocks), or one
     # program per kv head, whose group of query heads shares one loop (few query blocks) or has a loop each
     kernel_path(fa, "triton", tune)
     split_below = 1 << 30 if walk == "by-query-head" else 0
-    tune(fa, split_below=split_below, flat_below=1 << 20 if walk == "group-one-loop" else 0)
+    tune(fa, split_below=split_below, flat_below=1 << 20 if walk == "group-one-loop" else 0, tma=tma)
     _assert_matches_reference(*_qkv(packed, 16, hq=4, hkv=2), causal=True, window=7, cu_seqlens=CU if packed else None)
 
 
@@ -90,14 +94,27 @@ def test_nothing_crosses_sequences(path):
 
 
 @MASKS
-def test_sequences_of_unequal_block_counts_match_fp64_reference(tune, causal, window):
+@TMA
+def test_sequences_of_unequal_block_counts_match_fp64_reference(tune, causal, window, tma):
     # 3, 1, 0 and 2 blocks of 32 tokens (5, 2, 0 and 3 of 16; the interpreter's tiles), an empty sequence among them:
-    # every program's block range against its own sequence's end
+    # every program's block range against its own sequence's end (with TMA: each descriptor's bound)
     kernel_path(fa, "triton", tune)
+    tune(fa, tma=tma)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(135, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
     cu = torch.tensor([0, 70, 90, 90, 135], dtype=torch.int32)
     _assert_matches_reference(q, k, v, causal=causal, window=window, cu_seqlens=cu)
+
+
+def test_tma_only_where_the_inputs_allow_it(tune):
+    # a descriptor needs 16-byte aligned rows and contiguous heads (attention._use_tma); other inputs take pointers
+    kernel_path(fa, "triton", tune)
+    x = torch.zeros(40, 2, 16)
+    assert not fa._use_tma(x)  # off unless tuned on
+    tune(fa, tma=True)
+    assert fa._use_tma(x, x)
+    assert not fa._use_tma(x, torch.zeros(x.numel() + 1)[1:].view(x.shape))  # 4 bytes off
+    assert not fa._use_tma(x, torch.zeros(40, 2, 32)[:, :, :16])  # heads 32 apart, 16 long
 
 
 def test_programs_take_the_longest_sequences_first():
@@ -203,7 +220,9 @@ def test_offsets_are_read_on_the_host_once_per_tensor(monkeypatch, tune):
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_error_within_twice_plain_attention_in_the_same_dtype(packed, d, dtype):
+@TMA
+def test_cuda_error_within_twice_plain_attention_in_the_same_dtype(tune, packed, d, dtype, tma):
+    tune(fa, tma=tma)
     g = torch.Generator(device="cuda").manual_seed(0)
     b, s, hq, hkv = 2, 1024, 8, 2
     q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for h in (hq, hkv, hkv))
