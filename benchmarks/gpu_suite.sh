@@ -3,7 +3,7 @@
 # under a hard time limit, logs and CSV rows written to OUTDIR (default: benchmarks/results/run-<date>).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR] [STEPS...]
-#   STEPS: any of tests quickstart flce attention fused core delayed recompute delayed_8b memory_8b memory_8b_64k
+#   STEPS: any of tests quickstart flce attention tma fused core delayed recompute delayed_8b memory_8b memory_8b_64k
 #          memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io
 #
 # The package must be importable as lightning_slide (pip install -e ., or PYTHONPATH). Every step is killed at its
@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-benchmarks/results/run-$(date +%F)}")
 shift || true
-steps=("${@:-tests quickstart flce attention fused core delayed recompute delayed_8b memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io}")
+steps=("${@:-tests quickstart flce attention tma fused core delayed recompute delayed_8b memory_8b memory_8b_64k memory_3b_nvme memory_3b_nvme_masters memory_32b_lora nvme_io}")
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 status=0
@@ -36,16 +36,18 @@ step quickstart 180 python -P -m lightning_slide fit --config recipes/quickstart
 cd benchmarks
 step flce 150 python bench_flce.py --out "$out/flce.csv"
 step attention 150 python bench_attention.py --out "$out/attention.csv"
+# the kernels' loop tiles by TMA descriptors against pointer loads (Tuning.tma), side by side in one process
+step tma 300 python bench_attention_ab.py ../kernels/attention.py ../kernels/attention.py --tune-new tma=1 \
+  --labels pointers,tma --out "$out/attention_ab.csv"
 step fused 90 python bench_fused.py --out "$out/fused.csv"
 step core 540 python bench_core.py --out "$out/core.csv"
 delayed=(--strategy delayed_update=True --strategy delay_warmup=1 --strategy optimizer_state=bf16)  # issue 54's rows
 step delayed 540 python bench_core.py --systems a,b --layers 8 --tokens 8192,32768 "${delayed[@]}" --out "$out/core.csv"
-# what the recompute leaves out, on and off in turn (2.8 B, 32k tokens, GPU-bound): the dead ends and the kept
-# attention at sequences of 4k, the kept attention at one sequence of 32k
-step recompute 590 bash -c 'for s in True False; do python bench_core.py --systems a --layers 8 --tokens 32768 \
-  --schedules backward --engine skip_dead_ends=$s --engine keep_attention=$s --out "$1/core.csv" || exit 1; done
-  for s in True False; do python bench_core.py --systems a --layers 8 --tokens 32768 --seq 32768 \
-  --schedules backward --engine keep_attention=$s --out "$1/core.csv" || exit 1; done' _ "$out"
+# what the recompute leaves out (the dead ends and the kept attention), both on and both off in turn (2.8 B, 32k
+# tokens a step), at sequences of 4k and at one sequence of 32k
+step recompute 590 bash -c 'for seq in 4096 32768; do for s in True False; do python bench_core.py --systems a \
+  --layers 8 --tokens 32768 --seq $seq --schedules backward --engine skip_dead_ends=$s --engine keep_attention=$s \
+  --out "$1/core.csv" || exit 1; done; done' _ "$out"
 step delayed_8b 300 python bench_core.py --systems a --layers 32 --tokens 32768 --schedules forward "${delayed[@]}" \
   --out "$out/core.csv"
 step memory_8b 300 python bench_memory.py --case 8b --out "$out/memory.csv"
