@@ -103,7 +103,9 @@ def _use_tma(*tensors: Tensor) -> bool:
     aligned = all(x.data_ptr() % 16 == 0 and x.stride(0) * x.element_size() % 16 == 0 for x in tensors)
     if not aligned or any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in tensors):
         return False
-    device = t.device  # the descriptors the kernels make live in global memory that triton asks its allocator for
+    # the descriptors live in global memory that Triton asks its allocator for; set at each call, as that allocator is
+    # one per thread (a context variable) and any other library may set its own
+    device = t.device
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
     return True
 

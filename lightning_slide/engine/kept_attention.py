@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from torch import Tensor
 from torch.autograd import Function
 
+from ..kernels.attention import FlashAttentionFunction
 from .units import Unit
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,7 @@ class KeptAttention:
             yield None
             return
         records: list[Record] = []
-        with _running_as(lambda kernel, q, k, v: _Recorded.apply(kernel, records, q, k, v)):
+        with _running_as(lambda kernel, q, k, v: FlashAttentionFunction.apply(_Recording(kernel, records), q, k, v)):
             yield records
 
     def keep(self, unit: Unit, records: list[Record] | None) -> list[Record] | None:
@@ -114,21 +116,20 @@ class KeptAttention:
             yield
 
 
-class _Recorded(Function):
-    """``kernel``'s attention, its output and statistics appended to ``records``."""
+@dataclass(frozen=True, eq=False)
+class _Recording:
+    """``kernel``, its forward's output and statistics appended to ``records``."""
 
-    @staticmethod
-    def forward(ctx, kernel, records: list[Record], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        out, stats = kernel.forward(q, k, v)
-        records.append((out.detach(), stats))
-        ctx.kernel = kernel
-        ctx.save_for_backward(q, k, v, out, *stats)
-        return out
+    kernel: object
+    records: list[Record]
 
-    @staticmethod
-    def backward(ctx, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, *stats = ctx.saved_tensors
-        return None, None, *ctx.kernel.backward(q, k, v, out, tuple(stats), dout)
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Record:
+        out, stats = self.kernel.forward(q, k, v)
+        self.records.append((out.detach(), stats))
+        return out, stats
+
+    def backward(self, *args) -> tuple[Tensor, Tensor, Tensor]:
+        return self.kernel.backward(*args)
 
 
 class _Replayed(Function):
